@@ -1,0 +1,90 @@
+"""Engine configuration: one dataclass, with derived sizes resolved in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("antiphon")
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    # None serves the embedded default model (SmolLM2-135M-Instruct).
+    model: str | None = None
+    # "auto" runs float32 on CPU (exact and fast enough there) and the checkpoint's own
+    # dtype on CUDA.
+    dtype: str = "auto"
+    device: str = "auto"
+
+    block_size: int = 16
+    # None sizes the pool from kv_cache_memory_gib.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 2.0
+    enable_prefix_caching: bool = True
+
+    # Token budget of one step, shared by decodes and prefill chunks.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # None takes the model's own context length.
+    max_model_len: int | None = None
+    # A step that schedules nothing while requests wait counts as a stall; after this many
+    # in a row the head-of-line request fails with an error instead of spinning forever.
+    max_stalled_steps: int = 8
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (one is reserved), got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    """Sizes that depend on the loaded model; computed once by `resolve_sizes`."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+
+
+def resolve_sizes(config: EngineConfig, *, model_max_len: int, num_layers: int,
+                  num_kv_heads: int, head_dim: int, dtype_bytes: int) -> ResolvedSizes:
+    max_model_len = model_max_len if config.max_model_len is None else config.max_model_len
+    if max_model_len > model_max_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}")
+    # Keys and values, every layer, one block of tokens.
+    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * dtype_bytes
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        # Never more than the scheduler could ever fill (+1 for the reserved block): small
+        # models would otherwise take the whole memory budget for nothing.
+        most_usable = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+        num_blocks = max(2, min(int(config.kv_cache_memory_gib * GIB) // bytes_per_block, most_usable))
+    sizes = ResolvedSizes(max_model_len, num_blocks, bytes_per_block)
+    logger.info(
+        "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len=%d, token budget %d, max %d seqs, "
+        "prefix caching %s",
+        num_blocks, config.block_size, num_blocks * bytes_per_block / (1 << 20), max_model_len,
+        config.max_num_batched_tokens, config.max_num_seqs,
+        "on" if config.enable_prefix_caching else "off",
+    )
+    return sizes

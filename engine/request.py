@@ -1,0 +1,75 @@
+"""The engine's state for one request, owned by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class MultiModalPlaceholder:
+    """Where one multimodal item sits in the prompt; `mm_hash` identifies its content."""
+
+    offset: int
+    length: int
+    mm_hash: str
+    modality: str = "image"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Generating any of these ends the request (unless ignore_eos).
+    eos_token_ids: tuple[int, ...] = ()
+    mm_placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
+    # Keeps tenants apart in the prefix cache: different salts never share a block.
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache the first time the request was scheduled.
+    num_cached_tokens: int = -1
+    # Hashes of the request's full blocks, extended as tokens arrive; never recomputed.
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,256 @@
+"""The scheduler: one token budget per step, decodes first, then prefill chunks.
+
+There is no prefill/decode phase split: each request just advances num_computed_tokens
+towards num_tokens. When the KV pool runs dry the newest running request is preempted
+(its blocks freed, recomputed later), so the oldest always makes progress.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_hash import extend_block_hashes
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                     SchedulerOutput, TokenLogprobs)
+
+logger = logging.getLogger("antiphon")
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Runner-side state to drop at the next step.
+        self.finished_ids: set[str] = set()
+        # Requests the runner already holds (sent once as NewRequestData).
+        self.known_to_runner: set[str] = set()
+        # How many block ids the runner holds per request, so each step sends only new ones.
+        self.runner_block_counts: dict[str, int] = {}
+        self.stalled_steps = 0
+        self.num_preemptions = 0
+        # Finished-by-the-scheduler outputs not yet reported (errors found while scheduling).
+        self.pending_outputs: list[EngineCoreOutput] = []
+
+    # ---- admission -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens; the context is {self.max_model_len} "
+                f"tokens and at least one must be left for output")
+        needed = self.kv.blocks_needed(request.num_prompt_tokens + 1)
+        if needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks but the pool holds {self.kv.pool.num_usable_blocks}")
+        extend_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.status.finished:
+                self._finish(request, status)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self.finished_ids)
+        self.finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        # Running requests first: decodes, and prefills that already hold blocks.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._schedule_running(request, num_new, out)
+                budget -= num_new
+                index += 1
+
+        # Then waiting requests, oldest first, unless memory was just short.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks = []
+            if request.num_computed_tokens == 0:
+                cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+                self._fail_if_never_fits(request)
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            block_ids = self.kv.block_ids(request.request_id)
+            out.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            self.known_to_runner.add(request.request_id)
+            self.runner_block_counts[request.request_id] = len(block_ids)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        self._guard_against_stall(out)
+        return out
+
+    def _schedule_running(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        block_ids = self.kv.block_ids(request.request_id)
+        known = self.runner_block_counts.get(request.request_id, 0)
+        self.runner_block_counts[request.request_id] = len(block_ids)
+        out.cached_requests.append(CachedRequestData(
+            request_id=request.request_id,
+            new_block_ids=block_ids[known:],
+            num_computed_tokens=request.num_computed_tokens,
+        ))
+        out.num_scheduled_tokens[request.request_id] = num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        # The runner forgets it now; it comes back later as a new request with all tokens.
+        out.finished_request_ids.add(request.request_id)
+        self.known_to_runner.discard(request.request_id)
+        self.runner_block_counts.pop(request.request_id, None)
+        # It may already have been scheduled earlier in this loop (only possible for itself).
+        out.num_scheduled_tokens.pop(request.request_id, None)
+        out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]
+
+    def _fail_if_never_fits(self, request: Request) -> None:
+        # With nothing running, nothing will free memory: a request that cannot fit into the
+        # whole pool (its outputs grew past it) would wait forever.
+        if self.running:
+            return
+        needed = self.kv.blocks_needed(request.num_tokens)
+        if needed > self.kv.pool.num_usable_blocks:
+            self.waiting.popleft()
+            self._fail(request, f"request needs {needed} KV blocks to continue but the pool holds "
+                                f"{self.kv.pool.num_usable_blocks}; raise num_kv_blocks or lower max_tokens")
+
+    def _guard_against_stall(self, out: SchedulerOutput) -> None:
+        if out.num_scheduled_tokens or not self.waiting:
+            self.stalled_steps = 0
+            return
+        self.stalled_steps += 1
+        if self.stalled_steps >= self.config.max_stalled_steps:
+            request = self.waiting.popleft()
+            self.stalled_steps = 0
+            self._fail(request, f"request made no progress for {self.config.max_stalled_steps} "
+                                f"steps (KV blocks free: {self.kv.pool.num_free_blocks})")
+
+    def _fail(self, request: Request, message: str) -> None:
+        logger.error("request %s failed: %s", request.request_id, message)
+        request.error = message
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self.pending_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason="error",
+            num_cached_tokens=max(request.num_cached_tokens, 0), error=message))
+
+    # ---- after the model ran ----------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self.pending_outputs
+        self.pending_outputs = []
+        for request_id, num_scheduled in sched.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_scheduled
+            token_id = result.sampled_token_ids.get(request_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token_id)
+            extend_block_hashes(request, self.block_size)
+            finish = self._check_stop(request, token_id)
+            logprobs = result.logprobs.get(request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[token_id],
+                finish_reason=finish.value if finish else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                logprobs=[logprobs] if logprobs is not None else None,
+            ))
+            if finish:
+                self._finish(request, finish)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.runner_block_counts.pop(request.request_id, None)
+        if request.request_id in self.known_to_runner:
+            self.known_to_runner.discard(request.request_id)
+            self.finished_ids.add(request.request_id)
+        del self.requests[request.request_id]

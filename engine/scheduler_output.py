@@ -1,0 +1,64 @@
+"""What the scheduler tells the model runner each step, and what comes back.
+
+Plain data only: this is the seam that lets the runner live in another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or lost on preemption): everything it needs."""
+
+    request_id: str
+    # All known tokens: the prompt, plus earlier outputs when resuming after preemption.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step, in batch order (decodes first).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the runner must forget: finished, aborted or preempted since last step.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Requests whose step reached their last known token produce one new token.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Top-n (token id, logprob) pairs plus the sampled token's own logprob, when asked for.
+    logprobs: dict[str, "TokenLogprobs"] = field(default_factory=dict)
+
+
+@dataclass
+class TokenLogprobs:
+    sampled_logprob: float
+    top: list[tuple[int, float]]

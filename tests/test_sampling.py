@@ -1,0 +1,88 @@
+"""Sampling: seeded reproducibility, filters, penalties, logprobs, and parameter validation."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from workers.sampler import SamplingRow, sample
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 130))]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), num_kv_blocks=128)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].token_ids
+    in_batch = llm.generate(PROMPTS, [params, SamplingParams(temperature=0.7, max_tokens=5),
+                                      SamplingParams(temperature=0, max_tokens=9)])[0].token_ids
+    assert alone == in_batch
+
+
+def test_different_seeds_give_different_samples(llm):
+    outs = llm.generate([PROMPTS[0]] * 4, [SamplingParams(temperature=1.5, seed=s, max_tokens=16, ignore_eos=True)
+                                           for s in range(4)])
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_seeded_sampling_survives_preemption(tiny_llama):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(tiny_llama), num_kv_blocks=128).generate(PROMPTS, params)
+    tight_llm = LLM(str(tiny_llama), num_kv_blocks=16, block_size=4)
+    tight = tight_llm.generate(PROMPTS, params)
+    assert tight_llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    top_k = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True))
+    top_p = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in top_k] == [o.token_ids for o in greedy]
+    assert [o.token_ids for o in top_p] == [o.token_ids for o in greedy]
+
+
+def test_top_k_keeps_samples_inside_the_top_k():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 4.8, -1.0, 3.0]]).repeat(200, 1)
+    rows = [SamplingRow(SamplingParams(temperature=5.0, top_k=2, seed=i), [], []) for i in range(200)]
+    tokens, _ = sample(logits, rows)
+    assert set(tokens) == {1, 2}
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.tensor([[10.0, 9.5, 0.0, 0.0, 0.0]]).repeat(200, 1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, min_p=0.1, seed=i), [], []) for i in range(200)]
+    tokens, _ = sample(logits, rows)
+    assert set(tokens) == {0, 1}
+
+
+def test_repetition_and_frequency_penalties_change_the_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    plain, _ = sample(logits, [SamplingRow(SamplingParams(temperature=0), [0], [])])
+    repeated, _ = sample(logits, [SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.5), [0], [])])
+    frequent, _ = sample(logits, [SamplingRow(SamplingParams(temperature=0, frequency_penalty=0.5), [], [0])])
+    present, _ = sample(logits, [SamplingRow(SamplingParams(temperature=0, presence_penalty=0.5), [], [0])])
+    assert plain == [0] and repeated == [1] and frequent == [1] and present == [1]
+
+
+def test_logprobs_return_the_top_n_and_the_sampled_token(llm):
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert len(entry.top) == 3
+        assert entry.top[0][0] == token_id  # greedy picks the most likely
+        assert entry.sampled_logprob == pytest.approx(entry.top[0][1])
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
+    ("max_tokens", 0), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

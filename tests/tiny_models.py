@@ -1,0 +1,65 @@
+"""Tiny random-weight checkpoints of real architectures, built in a test session.
+
+The tokenizer is a byte-level BPE trained on the spot with `tokenizers`, wrapped as a
+transformers fast tokenizer with a ChatML template, so prompts, chat and detokenization
+all run through the real code paths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "Once upon a time there was a small engine that served many requests at once.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Caf\u00e9, na\u00efve, \u00fcber, \u65e5\u672c\u8a9e, emoji \U0001F600 and other multi-byte text.",
+    "Streaming tokens over websockets, with prefix caching and chunked prefill.",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>", bos_token=None)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_model(arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0):
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        # Wider than the default 0.02 so logits are decisive and greedy choices are not ties.
+        initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    raise ValueError(arch)
+
+
+def save_tiny_checkpoint(arch: str, folder: Path) -> Path:
+    tokenizer = build_tokenizer()
+    model = build_model(arch, tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

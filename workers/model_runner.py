@@ -1,0 +1,199 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It keeps its own copy of each request's tokens and block ids, updated from the scheduler's
+deltas, so it can run in another process. All scheduled tokens of all requests go through
+the model as one packed sequence; logits are computed only for rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan
+from workers.sampler import SamplingRow, sample
+
+# Decodes whose context is shorter than this fraction of a group's longest start a new
+# group: fewer padded keys to read, at the cost of one more batched matmul per layer.
+DECODE_GROUP_MIN_FILL = 0.5
+
+
+@dataclass
+class RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_cache_shape(model_config, num_blocks: int, block_size: int) -> KVCacheShape:
+    text = model_config.get_text_config()
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    return KVCacheShape(text.num_hidden_layers, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape) -> None:
+        self.model = model
+        self.decoder = model.model
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = cache_shape.block_size
+        num_slots = cache_shape.num_blocks * cache_shape.block_size
+        # Zeros, not empty: padded gathers read block 0, which must hold finite values.
+        self.kv_caches = [
+            (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.dtype,
+                         device=self.device),
+             torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.dtype,
+                         device=self.device))
+            for _ in range(cache_shape.num_layers)
+        ]
+        self.requests: dict[str, RunnerRequest] = {}
+
+    # ---- state -------------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = RunnerRequest(
+                token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        request_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in request_ids]
+        batch = self._prepare_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
+
+        hidden = self.decoder(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
+                              antiphon_attn=batch.attention).last_hidden_state[0]
+        output = ModelRunnerOutput()
+        if not batch.sample_rows:
+            return output
+        logits = self.lm_head(hidden[batch.logits_index])
+        rows = [states[i] for i in batch.sample_rows]
+        token_ids, logprobs = sample(logits, [
+            SamplingRow(s.sampling_params, s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
+            for s in rows])
+        for row, state, token_id, lp in zip(batch.sample_rows, rows, token_ids, logprobs):
+            request_id = request_ids[row]
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[request_id] = token_id
+            if lp is not None:
+                output.logprobs[request_id] = lp
+        return output
+
+    def _prepare_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
+        bs = self.block_size
+        num_rows = len(states)
+        counts = np.asarray(num_scheduled, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_rows)
+        ends = starts + counts
+        query_offsets = np.cumsum(counts) - counts
+        total = int(counts.sum())
+
+        input_ids: list[int] = []
+        for state, start, end in zip(states, starts.tolist(), ends.tolist()):
+            input_ids.extend(state.token_ids[start:end])
+        positions = np.repeat(starts - query_offsets, counts) + np.arange(total)
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        table = np.zeros((num_rows, max_blocks), dtype=np.int64)
+        for row, state in enumerate(states):
+            table[row, :len(state.block_ids)] = state.block_ids
+        row_of_token = np.repeat(np.arange(num_rows), counts)
+        slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
+
+        decode_rows = np.nonzero(counts == 1)[0]
+        decode_groups = [self._decode_group(table, ends, query_offsets, rows)
+                         for rows in _group_by_length(decode_rows, ends)]
+        prefill_spans = []
+        for row in np.nonzero(counts > 1)[0].tolist():
+            start, end, q0 = int(starts[row]), int(ends[row]), int(query_offsets[row])
+            span = PrefillSpan(q0, q0 + end - start)
+            if start > 0:
+                ctx = np.arange(end)
+                span.context_slots = torch.from_numpy(table[row, ctx // bs] * bs + ctx % bs).to(self.device)
+                span.causal_mask = (torch.arange(end).unsqueeze(0)
+                                    <= torch.arange(start, end).unsqueeze(1)).to(self.device)
+            prefill_spans.append(span)
+
+        # Only requests whose step reaches their last known token produce a new token.
+        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_rows)
+        sample_rows = np.nonzero(ends == num_known)[0]
+        logits_index = query_offsets[sample_rows] + counts[sample_rows] - 1
+
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        return PackedBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0),
+            positions=to_device(positions).unsqueeze(0),
+            attention=PagedAttentionMetadata(to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches),
+            sample_rows=sample_rows.tolist(),
+            logits_index=to_device(logits_index),
+        )
+
+    def _decode_group(self, table: np.ndarray, ends: np.ndarray, query_offsets: np.ndarray,
+                      rows: np.ndarray) -> DecodeGroup:
+        bs = self.block_size
+        lengths = ends[rows]
+        ctx = np.arange(int(lengths.max()))
+        slots = table[rows][:, ctx // bs] * bs + ctx % bs
+        mask = torch.from_numpy(ctx[None, :] < lengths[:, None])[:, None, None, :]
+        return DecodeGroup(
+            query_index=torch.from_numpy(query_offsets[rows]).to(self.device),
+            context_slots=torch.from_numpy(slots).to(self.device),
+            context_mask=mask.to(self.device),
+        )
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: PagedAttentionMetadata
+    sample_rows: list[int]
+    logits_index: torch.Tensor
+
+
+def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    if len(rows) == 0:
+        return []
+    ordered = rows[np.argsort(-lengths[rows], kind="stable")]
+    groups, current, longest = [], [], 0
+    for row in ordered.tolist():
+        if current and lengths[row] < DECODE_GROUP_MIN_FILL * longest:
+            groups.append(np.asarray(current))
+            current = []
+        if not current:
+            longest = lengths[row]
+        current.append(row)
+    groups.append(np.asarray(current))
+    return groups

@@ -1,0 +1,120 @@
+"""Vectorized sampling over the rows of one step.
+
+Greedy rows take the argmax. Random rows are temperature-scaled, filtered (top-k, top-p,
+min-p) and drawn with the exponential race argmax(p / E), E ~ Exp(1), which equals a
+multinomial draw. Seeded rows draw E from a generator seeded by (seed, output index), so a
+seeded request gives the same tokens whatever it is batched with, and after preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import TokenLogprobs
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [R, V] float32, one row per request to sample."""
+    logits = logits.float()
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+    if any(r.params.uses_penalties for r in rows):
+        logits = logits.clone()
+        for index, row in enumerate(rows):
+            if row.params.uses_penalties:
+                _apply_penalties(logits[index], row)
+
+    greedy = all(r.params.greedy for r in rows)
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _sample_mixed(logits, rows)
+
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for index, row in enumerate(rows):
+            n = row.params.logprobs
+            if n is None:
+                continue
+            top = []
+            if n > 0:
+                values, ids = raw_logprobs[index].topk(n)
+                top = list(zip(ids.tolist(), values.tolist()))
+            logprobs[index] = TokenLogprobs(float(raw_logprobs[index, token_list[index]]), top)
+    return token_list, logprobs
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    params = row.params
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    num_rows, vocab = logits.shape
+    greedy_tokens = logits.argmax(dim=-1)
+    temperature = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows],
+                               dtype=logits.dtype)
+    scaled = logits / temperature.unsqueeze(1)
+
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool((min_p > 0).any()):
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+
+    noise = torch.empty_like(probs)
+    for index, row in enumerate(rows):
+        if row.params.seed is not None:
+            generator = torch.Generator().manual_seed(_step_seed(row.params.seed, len(row.output_token_ids)))
+            noise[index].exponential_(generator=generator)
+        else:
+            noise[index].exponential_()
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([r.params.greedy for r in rows])
+    return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).unsqueeze(1)
+    remove = ranks >= k
+    p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already reach p; the top one always stays.
+    remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    # A cheap reversible mix keeps (seed, step) pairs apart; Generator seeds are 64-bit.
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) & 0x7FFFFFFFFFFFFFFF
