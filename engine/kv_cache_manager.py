@@ -51,29 +51,37 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[KVBlock] = ()) -> bool:
+                       cached_blocks: list[KVBlock] = ()) -> list[KVBlock] | None:
         """Give the request room for `num_new_tokens` more tokens (after any cached prefix).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns the newly allocated blocks (often none for a decode), or None, changing
+        nothing, when the pool cannot supply them.
         """
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        total_tokens = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total_tokens) - len(blocks) - len(cached_blocks)
+        request_id = request.request_id
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_blocks[request_id] = []
+        total_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = -(-total_tokens // self.block_size) - len(blocks) - len(cached_blocks)
+        if num_new_blocks <= 0 and not cached_blocks:
+            # The common decode step: the token fits the last block.
+            if self.enable_caching and total_tokens % self.block_size == 0:
+                self._register_full_blocks(request, blocks, total_tokens)
+            return []
         # Reviving a free cached block removes it from the free queue too.
         revived = sum(1 for b in cached_blocks if b.ref_count == 0)
         if num_new_blocks > self.pool.num_free_blocks - revived:
             if not blocks:
-                del self.req_blocks[request.request_id]
-            return False
+                del self.req_blocks[request_id]
+            return None
         if cached_blocks:
             self.pool.touch(list(cached_blocks))
             blocks.extend(cached_blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.pool.allocate(num_new_blocks))
+        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
         if self.enable_caching:
             self._register_full_blocks(request, blocks, total_tokens)
-        return True
+        return new_blocks
 
     def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # Blocks are registered when scheduled: their KV is written in this step before any

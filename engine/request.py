@@ -19,7 +19,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache the first time the request was scheduled.
-    num_cached_tokens: int = -1
+    num_cached_tokens: int = 0
     # Hashes of the request's full blocks, extended as tokens arrive; never recomputed.
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None

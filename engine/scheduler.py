@@ -21,7 +21,7 @@ from engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRe
 logger = logging.getLogger("antiphon")
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one request after one step."""
 
@@ -51,8 +51,6 @@ class Scheduler:
         self.finished_ids: set[str] = set()
         # Requests the runner already holds (sent once as NewRequestData).
         self.known_to_runner: set[str] = set()
-        # How many block ids the runner holds per request, so each step sends only new ones.
-        self.runner_block_counts: dict[str, int] = {}
         self.stalled_steps = 0
         self.num_preemptions = 0
         # Finished-by-the-scheduler outputs not yet reported (errors found while scheduling).
@@ -101,14 +99,18 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
+                new_blocks = self.kv.allocate_slots(request, num_new)
             else:
-                self._schedule_running(request, num_new, out)
+                out.cached_requests.append(request.request_id, [b.block_id for b in new_blocks],
+                                           request.num_computed_tokens)
+                out.num_scheduled_tokens[request.request_id] = num_new
                 budget -= num_new
                 index += 1
 
@@ -120,12 +122,12 @@ class Scheduler:
                 cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            if self.kv.allocate_slots(request, num_new, cached_blocks) is None:
                 self._fail_if_never_fits(request)
                 break
             self.waiting.popleft()
             request.num_computed_tokens += num_cached
-            if request.num_cached_tokens < 0:
+            if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -139,23 +141,11 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
             ))
             self.known_to_runner.add(request.request_id)
-            self.runner_block_counts[request.request_id] = len(block_ids)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
         self._guard_against_stall(out)
         return out
-
-    def _schedule_running(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        block_ids = self.kv.block_ids(request.request_id)
-        known = self.runner_block_counts.get(request.request_id, 0)
-        self.runner_block_counts[request.request_id] = len(block_ids)
-        out.cached_requests.append(CachedRequestData(
-            request_id=request.request_id,
-            new_block_ids=block_ids[known:],
-            num_computed_tokens=request.num_computed_tokens,
-        ))
-        out.num_scheduled_tokens[request.request_id] = num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
@@ -166,11 +156,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         # The runner forgets it now; it comes back later as a new request with all tokens.
         out.finished_request_ids.add(request.request_id)
+        # Victims come from the end of the running list, past the request being scheduled,
+        # so none of them has been given tokens in this step.
         self.known_to_runner.discard(request.request_id)
-        self.runner_block_counts.pop(request.request_id, None)
-        # It may already have been scheduled earlier in this loop (only possible for itself).
-        out.num_scheduled_tokens.pop(request.request_id, None)
-        out.cached_requests = [c for c in out.cached_requests if c.request_id != request.request_id]
 
     def _fail_if_never_fits(self, request: Request) -> None:
         # With nothing running, nothing will free memory: a request that cannot fit into the
@@ -200,33 +188,35 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         self.pending_outputs.append(EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[], finish_reason="error",
-            num_cached_tokens=max(request.num_cached_tokens, 0), error=message))
+            num_cached_tokens=request.num_cached_tokens, error=message))
 
     # ---- after the model ran ----------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        # This runs for every running request every step: it stays free of property calls
+        # and per-request helper calls on the common path.
         outputs = self.pending_outputs
         self.pending_outputs = []
+        requests, sampled, all_logprobs = self.requests, result.sampled_token_ids, result.logprobs
+        block_size = self.block_size
         for request_id, num_scheduled in sched.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status.finished:
-                continue  # aborted while the step ran
+            request = requests.get(request_id)
+            if request is None:
+                continue  # finished or aborted while the step ran
             request.num_computed_tokens += num_scheduled
-            token_id = result.sampled_token_ids.get(request_id)
+            token_id = sampled.get(request_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token_id)
-            extend_block_hashes(request, self.block_size)
+            request.output_token_ids.append(token_id)
+            tokens = request.all_token_ids
+            tokens.append(token_id)
+            if len(tokens) // block_size > len(request.block_hashes):
+                extend_block_hashes(request, block_size)
             finish = self._check_stop(request, token_id)
-            logprobs = result.logprobs.get(request_id)
+            logprobs = all_logprobs.get(request_id) if all_logprobs else None
             outputs.append(EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[token_id],
-                finish_reason=finish.value if finish else None,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                logprobs=[logprobs] if logprobs is not None else None,
-            ))
+                request_id, [token_id], finish.value if finish else None, request.stop_reason,
+                request.num_cached_tokens, [logprobs] if logprobs is not None else None))
             if finish:
                 self._finish(request, finish)
         return outputs
@@ -235,10 +225,11 @@ class Scheduler:
         params = request.sampling_params
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (len(request.output_token_ids) >= params.max_tokens
+                or len(request.all_token_ids) >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -249,7 +240,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
-        self.runner_block_counts.pop(request.request_id, None)
         if request.request_id in self.known_to_runner:
             self.known_to_runner.discard(request.request_id)
             self.finished_ids.add(request.request_id)

@@ -25,17 +25,27 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: only what changed since last step."""
+    """Requests the runner already holds: only what changed since last step.
 
-    request_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    Parallel lists rather than one object per request: this is built every step for
+    every running request, so it must cost next to nothing.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    # Block ids appended since the last step; empty for most decodes.
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def append(self, request_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.request_ids.append(request_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
     # request id -> tokens to compute this step, in batch order (decodes first).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests the runner must forget: finished, aborted or preempted since last step.
@@ -58,7 +68,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, "TokenLogprobs"] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     sampled_logprob: float
     top: list[tuple[int, float]]

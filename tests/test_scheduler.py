@@ -138,6 +138,6 @@ def test_only_new_block_ids_are_sent_to_the_runner():
     while scheduler.has_unfinished_requests:
         sched, _ = run_step(scheduler)
         sent += [b for n in sched.new_requests for b in n.block_ids]
-        sent += [b for c in sched.cached_requests for b in c.new_block_ids]
+        sent += [b for ids in sched.cached_requests.new_block_ids for b in ids]
     # 18 tokens need 5 blocks of 4, each sent exactly once.
     assert len(sent) == len(set(sent)) == 5

@@ -77,10 +77,13 @@ class ModelRunner:
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens)
-        for cached in sched.cached_requests:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = sched.cached_requests
+        for request_id, new_block_ids, num_computed in zip(cached.request_ids, cached.new_block_ids,
+                                                           cached.num_computed_tokens):
+            state = self.requests[request_id]
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
 
     # ---- one step ----------------------------------------------------------------------
 
