@@ -185,9 +185,12 @@ def main() -> None:
     t_on, total, cached = shared_prefix_prefill(path, prefix_len, suffixes, suffix_len, vocab, True, blocks)
     t_off, _, _ = shared_prefix_prefill(path, prefix_len, suffixes, suffix_len, vocab, False, blocks)
     ideal = total / (prefix_len + suffixes * suffix_len)
+    # Caching works in whole blocks: the prefix's last partial block is recomputed per request.
+    block_ideal = total / (total - cached)
     rows.append(("(b) shared-prefix prefill, caching off / on",
-                 f"{t_off:.2f} s / {t_on:.2f} s = {t_off / t_on:.2f}x (ideal {ideal:.2f}x, "
-                 f"{t_off / t_on / ideal:.0%} of ideal; {cached} of {total} prompt tokens cached)"))
+                 f"{t_off:.2f} s / {t_on:.2f} s = {t_off / t_on:.2f}x; ideal {ideal:.2f}x "
+                 f"(all / uncached tokens): {t_off / t_on / ideal:.0%} of it; ideal at block granularity "
+                 f"{block_ideal:.2f}x: {t_off / t_on / block_ideal:.0%} of it ({cached} of {total} tokens cached)"))
     print(rows[-1], flush=True)
 
     # (c) 0% hit rate: unique prompts, caching on vs off, best of two alternating runs each

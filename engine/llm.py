@@ -23,6 +23,9 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         request_ids = self._add_all(prompts, sampling_params)
         while len(finished) < len(request_ids):
+            if not self.engine.has_unfinished_requests:
+                missing = [r for r in request_ids if r not in finished]
+                raise RuntimeError(f"engine went idle with requests unfinished: {missing}")
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
