@@ -13,6 +13,10 @@ class PrefixCacheStats:
     query_tokens: int = 0
     hit_tokens: int = 0
 
+    def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_query_tokens
+        self.hit_tokens += num_hit_tokens
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
@@ -46,8 +50,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.query_tokens += request.num_tokens
-        self.stats.hit_tokens += len(hits) * self.block_size
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -28,6 +28,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check(_is_number(getattr(self, name)), name, getattr(self, name), "must be a number")
+        for name in ("top_k", "max_tokens"):
+            _check(_is_int(getattr(self, name)), name, getattr(self, name), "must be an integer")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, value, "must be an integer or None")
+        _check(isinstance(self.stop, list), "stop", self.stop, "must be a string or a list of strings")
+        _check(isinstance(self.stop_token_ids, list), "stop_token_ids", self.stop_token_ids,
+               "must be a list of token ids")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 disables it)")
@@ -53,6 +64,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, field: str, value, rule: str) -> None:

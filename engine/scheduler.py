@@ -126,6 +126,9 @@ class Scheduler:
                 self._fail_if_never_fits(request)
                 break
             self.waiting.popleft()
+            # Counted on admission only: a request that waits is looked up again each step.
+            if self.kv.enable_caching:
+                self.kv.stats.record(request.num_tokens, num_cached)
             request.num_computed_tokens += num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached

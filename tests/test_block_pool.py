@@ -51,11 +51,11 @@ def test_block_shared_by_two_requests_stays_until_both_free():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(10))
     first = make_request("a", prompt)
-    assert kv.allocate_slots(first, len(prompt))
+    assert kv.allocate_slots(first, len(prompt)) is not None
     second = make_request("b", prompt)
     hits = kv.find_cached_prefix(second)
     assert [b.block_id for b in hits] == kv.block_ids("a")[:2]
-    assert kv.allocate_slots(second, len(prompt) - 8, hits)
+    assert kv.allocate_slots(second, len(prompt) - 8, hits) is not None
     shared = hits[0]
     assert shared.ref_count == 2
     kv.free(first)
@@ -68,7 +68,7 @@ def test_block_shared_by_two_requests_stays_until_both_free():
 def test_fully_cached_prompt_recomputes_its_last_block():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(8))
-    assert kv.allocate_slots(make_request("a", prompt), 8)
+    assert kv.allocate_slots(make_request("a", prompt), 8) is not None
     hits = kv.find_cached_prefix(make_request("b", prompt))
     # Both blocks are cached, but the last token must run through the model.
     assert len(hits) == 1
@@ -77,7 +77,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
 def test_tail_of_a_chain_is_evicted_first():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     request = make_request("a", list(range(16)))
-    assert kv.allocate_slots(request, 16)
+    assert kv.allocate_slots(request, 16) is not None
     head, *_, tail = kv.req_blocks["a"]
     kv.free(request)
     assert kv.pool.allocate(1)[0] is tail
@@ -86,9 +86,9 @@ def test_tail_of_a_chain_is_evicted_first():
 
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.allocate_slots(make_request("a", list(range(8))), 8)
+    assert kv.allocate_slots(make_request("a", list(range(8))), 8) is not None
     big = make_request("b", list(range(100, 112)))
-    assert not kv.allocate_slots(big, 12)
+    assert kv.allocate_slots(big, 12) is None
     assert "b" not in kv.req_blocks
     assert kv.pool.num_free_blocks == 1
 
@@ -96,13 +96,20 @@ def test_allocation_failure_changes_nothing():
 def test_prefix_cache_disabled_never_hits():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
     prompt = list(range(12))
-    assert kv.allocate_slots(make_request("a", prompt), 12)
+    assert kv.allocate_slots(make_request("a", prompt), 12) is not None
     assert kv.find_cached_prefix(make_request("b", prompt)) == []
 
 
-def test_hit_statistics_count_query_and_hit_tokens():
-    kv = KVCacheManager(num_blocks=16, block_size=4)
-    prompt = list(range(12))
-    assert kv.allocate_slots(make_request("a", prompt), 12)
-    kv.find_cached_prefix(make_request("b", prompt))
-    assert (kv.stats.query_tokens, kv.stats.hit_tokens) == (12, 8)
+def test_hit_statistics_count_each_admitted_request_once():
+    from tests.test_scheduler import add, make_scheduler, run_step
+    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=64)
+    add(scheduler, "a", 12, max_tokens=3)
+    run_step(scheduler)
+    # "b" shares a's first two blocks; "c" cannot fit until a finishes, so it is looked up
+    # every step while it waits, yet counted once, when admitted.
+    add(scheduler, "b", 12, max_tokens=3)
+    add(scheduler, "c", 16, max_tokens=3, first_token=100)
+    while scheduler.has_unfinished_requests:
+        run_step(scheduler)
+    stats = scheduler.kv.stats
+    assert (stats.query_tokens, stats.hit_tokens) == (12 + 12 + 16, 8)

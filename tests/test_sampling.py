@@ -82,6 +82,7 @@ def test_logprobs_return_the_top_n_and_the_sampled_token(llm):
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
     ("max_tokens", 0), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("max_tokens", "5"), ("temperature", "hot"), ("seed", 1.5), ("top_k", True), ("stop", 3),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
