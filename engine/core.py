@@ -6,23 +6,11 @@ only; text and stop strings belong to the output processing in LLMEngine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.config import EngineConfig, resolve_sizes
 from engine.kv_cache_manager import KVCacheManager
+from engine.protocol import EngineStatsSnapshot as EngineStats
 from engine.request import Request, RequestStatus
 from engine.scheduler import EngineCoreOutput, Scheduler
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
 
 
 class EngineCore:
