@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -21,12 +22,94 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     generate.add_argument("--verbose", action="store_true")
 
+    serve = commands.add_parser("serve", help="run the server (HTTP, WebSocket, web page) with the worker processes")
+    serve.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded SmolLM2)")
+    _add_engine_options(serve)
+    _add_server_options(serve)
+    serve.add_argument("--verbose", action="store_true")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get("ANTIPHON_API_KEY"),
+                       help="require this key (default: $ANTIPHON_API_KEY, or none)")
+    group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
+                       help="browser Origin allowed on the WebSocket besides the server's own (repeatable; * = any)")
+    group.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    group.add_argument("--max-prompt-tokens", type=int, default=8192)
+    group.add_argument("--default-max-tokens", type=int, default=1024)
+    group.add_argument("--max-concurrent-requests", type=int, default=256)
+    group.add_argument("--max-concurrent-per-connection", type=int, default=4)
+    group.add_argument("--idle-timeout", type=float, default=600.0, dest="idle_timeout_s")
+    group.add_argument("--max-worker-restarts", type=int, default=3)
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from frontend.app import build_app
+    from frontend.server_config import ServerConfig
+
+    try:
+        engine_config = EngineConfig(
+            model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len)
+        server_config = ServerConfig(
+            host=args.host, port=args.port, api_key=args.api_key, allowed_origins=args.allowed_origins,
+            max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,
+            default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
+            max_concurrent_per_connection=args.max_concurrent_per_connection, idle_timeout_s=args.idle_timeout_s,
+            max_worker_restarts=args.max_worker_restarts)
+    except ValueError as exc:
+        print(f"antiphon: {exc}", file=sys.stderr)
+        return 2
+    fatal: list[bool] = []
+
+    def on_fatal() -> None:
+        fatal.append(True)
+        server.should_exit = True
+
+    app = build_app(server_config, engine_config, on_fatal=on_fatal)
+    # The transport's own cap sits above ours, so a merely oversized message gets an error
+    # event (and the connection lives on) instead of a hard close.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, ws="websockets-sansio",
+                                           ws_max_size=4 * server_config.max_message_bytes,
+                                           log_level="info" if args.verbose else "warning"))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the Ctrl-C it caught once its graceful shutdown (workers
+        # included) is done; by then there is nothing left to clean up.
+        pass
+    if fatal or not server.started:
+        print("antiphon: the server stopped because a worker failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _generate(args) -> int:

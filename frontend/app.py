@@ -1,0 +1,112 @@
+"""The Starlette application: routes, lifespan (workers up and down), auth."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from engine.config import EngineConfig
+from frontend.engine_client import EngineClient
+from frontend.generation import GenerationService
+from frontend.limits import (ConcurrencyLimiter, bearer_token, key_from_subprotocols, key_matches,
+                             origin_allowed)
+from frontend.metrics import Metrics
+from frontend.openai_http import ChatCompletions, error_response
+from frontend.realtime import RealtimeSession
+from frontend.server_config import ServerConfig
+
+logger = logging.getLogger("antiphon.frontend")
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    engine_config: EngineConfig
+    client: EngineClient
+    metrics: Metrics
+    limiter: ConcurrencyLimiter
+    model_name: str = ""
+    started: int = 0
+    generation: GenerationService | None = None
+
+
+def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
+    state = AppState(config, engine_config,
+                     EngineClient(engine_config, max_restarts=config.max_worker_restarts, on_fatal=on_fatal),
+                     Metrics(), ConcurrencyLimiter(config.max_concurrent_requests))
+    chat = ChatCompletions(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        from workers.model_loader import load_tokenizer, resolve_model_path
+
+        # Resolving here converts the embedded default model once, before any worker needs it.
+        path = resolve_model_path(engine_config.model)
+        state.model_name = path.name
+        state.started = int(time.time())
+        tokenizer = load_tokenizer(path)
+        await state.client.start()
+        max_model_len = state.client.ready["decoder"].max_model_len
+        state.generation = GenerationService(state.client, tokenizer, max_model_len, config.max_prompt_tokens,
+                                             state.metrics)
+        logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+        try:
+            yield
+        finally:
+            await state.client.shutdown()
+
+    async def health(request: Request) -> Response:
+        if state.client.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": state.client.status}, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy),
+                                 media_type="text/plain; version=0.0.4")
+
+    def authorized(handler):
+        async def wrapped(request: Request) -> Response:
+            if not key_matches(config, bearer_token(request.headers.get("authorization"))):
+                return error_response(401, "missing or wrong API key", "invalid_api_key",
+                                      error_type="authentication_error")
+            return await handler(request)
+        return wrapped
+
+    async def realtime(websocket: WebSocket) -> None:
+        offered = websocket.scope.get("subprotocols") or []
+        presented = bearer_token(websocket.headers.get("authorization")) or key_from_subprotocols(offered)
+        # Browsers refuse a handshake that selects none of the subprotocols they offered.
+        chosen = "realtime" if "realtime" in offered else (offered[0] if offered else None)
+        await websocket.accept(subprotocol=chosen)
+        session = RealtimeSession(websocket, state)
+        if not key_matches(config, presented):
+            await session.send_error("missing or wrong API key", "invalid_api_key")
+            await websocket.close(code=1008, reason="invalid api key")
+            return
+        if not origin_allowed(config, websocket.headers.get("origin"), websocket.headers.get("host")):
+            await session.send_error("this Origin is not allowed", "origin_not_allowed")
+            await websocket.close(code=1008, reason="origin not allowed")
+            return
+        await session.run()
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", authorized(chat.models)),
+        Route("/v1/chat/completions", authorized(chat.create), methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime),
+        Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,185 @@
+"""A Python async client for Antiphon's Realtime WebSocket (standard library + websockets).
+
+    async with RealtimeClient("ws://127.0.0.1:8000/v1/realtime") as client:
+        await client.update_session(temperature=0, max_output_tokens=64)
+        response = await client.create_response([{"role": "user", "content": "Hello!"}])
+        async for text in response:
+            print(text, end="", flush=True)
+        print(response.status, response.usage)
+
+Messages sent to `create_response` join the connection's conversation, so a second call
+continues it. `response.cancel()` stops a response early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections import deque
+
+import websockets
+
+
+class RealtimeError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+class Response:
+    """One streaming response: iterate it for text deltas; `text`, `status`, `usage` when done."""
+
+    def __init__(self, client: "RealtimeClient") -> None:
+        self.client = client
+        self.id: str | None = None
+        self.text = ""
+        self.status: str | None = None
+        self.usage: dict | None = None
+        self.raw: dict | None = None
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.created = asyncio.get_running_loop().create_future()
+
+    def __aiter__(self):
+        return self._deltas()
+
+    async def _deltas(self):
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Exception):
+                raise event
+            if event["type"] == "response.output_text.delta":
+                yield event["delta"]
+            elif event["type"] == "response.done":
+                return
+
+    async def wait(self) -> "Response":
+        async for _ in self:
+            pass
+        return self
+
+    async def cancel(self) -> None:
+        await self.created
+        await self.client.send({"type": "response.cancel", "response_id": self.id})
+
+    def _deliver(self, event: dict) -> None:
+        if event["type"] == "response.output_text.delta":
+            self.text += event["delta"]
+        elif event["type"] == "response.done":
+            self.raw = event["response"]
+            self.status = self.raw["status"]
+            self.usage = self.raw.get("usage")
+        self._events.put_nowait(event)
+
+
+class RealtimeClient:
+    def __init__(self, url: str = "ws://127.0.0.1:8000/v1/realtime", api_key: str | None = None,
+                 open_timeout: float = 30.0) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.open_timeout = open_timeout
+        self.session: dict | None = None
+        self._ws = None
+        self._reader: asyncio.Task | None = None
+        self._ids = itertools.count()
+        # Replies the server sends without naming our event: matched in order.
+        self._pending_creates: deque[Response] = deque()
+        self._pending_session: deque[asyncio.Future] = deque()
+        self._by_event_id: dict[str, object] = {}
+        self._responses: dict[str, Response] = {}
+        self.errors: asyncio.Queue = asyncio.Queue()
+
+    async def __aenter__(self) -> "RealtimeClient":
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._ws = await websockets.connect(self.url, additional_headers=headers, open_timeout=self.open_timeout,
+                                            max_size=None)
+        first = json.loads(await self._ws.recv())
+        if first["type"] == "error":
+            await self._ws.close()
+            raise RealtimeError(first["error"]["code"], first["error"]["message"])
+        self.session = first["session"]
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def send(self, event: dict) -> str:
+        event_id = f"evt_{next(self._ids)}"
+        await self._ws.send(json.dumps({"event_id": event_id, **event}))
+        return event_id
+
+    async def update_session(self, **settings) -> dict:
+        future = asyncio.get_running_loop().create_future()
+        self._pending_session.append(future)
+        self._by_event_id[await self.send({"type": "session.update", "session": settings})] = future
+        self.session = await future
+        return self.session
+
+    async def add_message(self, role: str, text: str) -> None:
+        part = "output_text" if role == "assistant" else "input_text"
+        await self.send({"type": "conversation.item.create",
+                         "item": {"type": "message", "role": role, "content": [{"type": part, "text": text}]}})
+
+    async def create_response(self, messages: list[dict] | None = None, **options) -> Response:
+        """Add `messages` ({"role", "content"}) to the conversation, then start a response."""
+        for message in messages or []:
+            await self.add_message(message["role"], message["content"])
+        response = Response(self)
+        self._pending_creates.append(response)
+        event_id = await self.send({"type": "response.create", "response": options})
+        self._by_event_id[event_id] = response
+        await response.created
+        return response
+
+    async def _read(self) -> None:
+        try:
+            async for data in self._ws:
+                self._dispatch(json.loads(data))
+        except websockets.ConnectionClosed as exc:
+            closed = RealtimeError("connection_closed", str(exc))
+        else:
+            closed = RealtimeError("connection_closed", "the server closed the connection")
+        for response in list(self._responses.values()) + list(self._pending_creates):
+            if not response.created.done():
+                response.created.set_exception(closed)
+            response._events.put_nowait(closed)
+
+    def _dispatch(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "session.updated" and self._pending_session:
+            self._pending_session.popleft().set_result(event["session"])
+        elif kind == "response.created":
+            response = self._pending_creates.popleft()
+            response.id = event["response"]["id"]
+            self._responses[response.id] = response
+            response.created.set_result(response.id)
+        elif kind.startswith("response.") and "response_id" in event or kind == "response.done":
+            response_id = event.get("response_id") or event["response"]["id"]
+            response = self._responses.get(response_id)
+            if response is not None:
+                response._deliver(event)
+                if kind == "response.done":
+                    del self._responses[response_id]
+        elif kind == "error":
+            self._on_error(event["error"])
+
+    def _on_error(self, error: dict) -> None:
+        exc = RealtimeError(error.get("code"), error.get("message"), error.get("param"))
+        target = self._by_event_id.pop(error.get("event_id"), None)
+        if isinstance(target, Response) and not target.created.done():
+            self._pending_creates.remove(target)
+            target.created.set_exception(exc)
+        elif isinstance(target, asyncio.Future) and not target.done():
+            self._pending_session.remove(target)
+            target.set_exception(exc)
+        else:
+            self.errors.put_nowait(exc)

@@ -1,0 +1,144 @@
+"""Turns conversations into engine requests and engine deltas into text, for every protocol.
+
+Tokenization and chat templating run off the event loop. Each stream detokenizes
+incrementally, ends on a stop string (aborting the engine request), and aborts the
+request if the consumer goes away (a cancelled response or a dropped connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine import protocol
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from frontend.engine_client import EngineClient
+from frontend.metrics import Metrics
+
+
+class RequestRejected(ValueError):
+    """The request is invalid; `code` names the problem for protocol errors."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass
+class TextChunk:
+    """What a stream yields: the newest text and tokens, and at the end the outcome."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+class GenerationService:
+    def __init__(self, client: EngineClient, tokenizer, max_model_len: int, max_prompt_tokens: int,
+                 metrics: Metrics) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = min(max_prompt_tokens, max_model_len - 1)
+        self.metrics = metrics
+        self.vocab_size = len(tokenizer)
+        self.eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self._ids = itertools.count()
+
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Apply the chat template in a worker thread; rejects malformed conversations."""
+        if not messages:
+            raise RequestRejected("the conversation is empty", "empty_conversation", "messages")
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                    or message.get("role") not in ("system", "user", "assistant", "developer"):
+                raise RequestRejected("each message needs a role (system, user, assistant) and text content",
+                                      "invalid_message", "messages")
+        token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
+        self.check_prompt(token_ids)
+        return token_ids
+
+    def _apply_template(self, messages: list[dict]) -> list[int]:
+        normalized = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                      for m in messages]
+        return list(self.tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestRejected("the prompt is empty", "empty_prompt", "messages")
+        if len(token_ids) > self.max_prompt_tokens:
+            raise RequestRejected(
+                f"the prompt is {len(token_ids)} tokens; the limit is {self.max_prompt_tokens}",
+                "prompt_too_long", "messages")
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+
+    async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
+        request_id = request_id or self.new_request_id()
+        max_output = self.max_model_len - len(token_ids)
+        if params.max_tokens > max_output:
+            params = SamplingParams(**{**_fields(params), "max_tokens": max_output})
+        started = time.monotonic()
+        queue = await self.client.add_request(protocol.EngineRequest(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt))
+        self.metrics.request_started()
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        num_output, cached, last_token_time = 0, 0, None
+        finished = False
+        try:
+            while True:
+                delta: protocol.RequestDelta = await queue.get()
+                now = time.monotonic()
+                if delta.new_token_ids:
+                    if last_token_time is None:
+                        self.metrics.observe_ttft(now - started)
+                    else:
+                        self.metrics.observe_itl(now - last_token_time)
+                    last_token_time = now
+                num_output += len(delta.new_token_ids)
+                cached = delta.num_cached_tokens
+                finish, stop_reason = delta.finish_reason, delta.stop_reason
+                for token_id in delta.new_token_ids:
+                    matched = detok.add_token(token_id)
+                    if matched is not None:
+                        finish, stop_reason = "stop", matched
+                        await self.client.abort([request_id])
+                        break
+                if finish is not None:
+                    finished = True
+                    detok.flush()
+                chunk = TextChunk(detok.take_delta(finished), delta.new_token_ids, finish, stop_reason, delta.error,
+                                  len(token_ids), num_output, cached, delta.logprobs or [])
+                if finished:
+                    self.metrics.request_finished(finish, len(token_ids), num_output, cached)
+                    yield chunk
+                    return
+                if chunk.text or chunk.token_ids:
+                    yield chunk
+        finally:
+            if not finished:
+                # The consumer stopped early (cancel, disconnect): free the KV blocks now.
+                self.metrics.request_finished("abort", len(token_ids), num_output, cached)
+                await asyncio.shield(self.client.abort([request_id]))
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}

@@ -1,0 +1,93 @@
+"""Prometheus metrics in the text exposition format, rendered by hand (no dependency)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+from engine.protocol import EngineStatsSnapshot
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     10.0, 30.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines += [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return lines
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.finished = Counter()
+        self.in_flight = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.ttft = Histogram()
+        self.itl = Histogram()
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+
+    def request_finished(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int,
+                         cached_tokens: int) -> None:
+        self.in_flight -= 1
+        self.finished[finish_reason or "unknown"] += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += output_tokens
+        self.cached_prompt_tokens += cached_tokens
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def render(self, stats: EngineStatsSnapshot, healthy: bool) -> str:
+        lines = [
+            "# HELP antiphon_requests_total Finished requests by finish reason.",
+            "# TYPE antiphon_requests_total counter",
+        ]
+        lines += [f'antiphon_requests_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+        gauges = [
+            ("antiphon_requests_in_flight", "Requests streaming now.", self.in_flight),
+            ("antiphon_requests_running", "Requests in the decoder's running batch.", stats.num_running),
+            ("antiphon_requests_waiting", "Requests queued in the decoder.", stats.num_waiting),
+            ("antiphon_kv_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
+            ("antiphon_kv_blocks_total", "KV cache blocks in the pool.", stats.kv_blocks_total),
+            ("antiphon_healthy", "1 when every worker is up.", int(healthy)),
+        ]
+        counters = [
+            ("antiphon_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
+            ("antiphon_generation_tokens_total", "Generated tokens of finished requests.", self.generation_tokens),
+            ("antiphon_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_query_tokens),
+            ("antiphon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+             stats.prefix_cache_hit_tokens),
+            ("antiphon_preemptions_total", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+        ]
+        for name, help_text, value in gauges:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for name, help_text, value in counters:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        lines += self.ttft.render("antiphon_time_to_first_token_seconds", "Time to first token.")
+        lines += self.itl.render("antiphon_inter_token_latency_seconds", "Time between consecutive tokens.")
+        return "\n".join(lines) + "\n"

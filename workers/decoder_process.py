@@ -1,0 +1,130 @@
+"""The decoder process: the scheduler, the KV cache and the model runner in one loop.
+
+It pulls requests and aborts from the frontend, runs engine steps while there is work, and
+pushes one StepOutputs message per step. Requests the engine refuses (too long, pool too
+small) come back at once as an error delta; they never crash the loop.
+
+Run by the frontend as `python -m workers.decoder_process --config JSON`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import traceback
+
+import zmq
+
+from engine import protocol
+from engine.config import EngineConfig
+from engine.request import Request
+from workers.process_guard import die_with_parent, exit_on_signals
+
+logger = logging.getLogger("antiphon.decoder")
+
+# How long an idle decoder waits on its input socket before looking again (ms).
+IDLE_POLL_MS = 1000
+
+
+class DecoderWorker:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.context = zmq.Context()
+        self.inputs = self.context.socket(zmq.PULL)
+        self.inputs.connect(input_address)
+        self.outputs = self.context.socket(zmq.PUSH)
+        self.outputs.connect(output_address)
+        self.config = config
+        self.core = None
+
+    def load(self) -> None:
+        from transformers import AutoConfig
+
+        from engine.core import EngineCore
+        from workers.model_loader import load_model, resolve_device, resolve_dtype, resolve_model_path
+
+        path = resolve_model_path(self.config.model)
+        model_config = AutoConfig.from_pretrained(path)
+        device = resolve_device(self.config.device)
+        model = load_model(path, resolve_dtype(self.config.dtype, model_config, device), device)
+        self.core = EngineCore(self.config, model, model.config)
+        self.outputs.send(protocol.encode(protocol.WorkerReady(
+            worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
+            num_kv_blocks=self.core.sizes.num_kv_blocks)))
+
+    def run(self) -> None:
+        while True:
+            # Block while idle; with work in flight, only take what has already arrived.
+            timeout = 0 if self.core.has_unfinished_requests else IDLE_POLL_MS
+            while self.inputs.poll(timeout):
+                if not self._handle(protocol.decode_input(self.inputs.recv())):
+                    return
+                timeout = 0
+            if self.core.has_unfinished_requests:
+                self._step()
+
+    def _handle(self, message) -> bool:
+        if isinstance(message, protocol.EngineRequest):
+            self._add(message)
+        elif isinstance(message, protocol.AbortRequests):
+            self.core.abort_requests(message.request_ids)
+            # Freed blocks must show in the stats even if no step follows.
+            self._send([])
+        elif isinstance(message, protocol.Shutdown):
+            return False
+        return True
+
+    def _add(self, message: protocol.EngineRequest) -> None:
+        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                          eos_token_ids=tuple(message.eos_token_ids), cache_salt=message.cache_salt)
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            self._send([protocol.RequestDelta(message.request_id, [], "error", error=str(exc))])
+
+    def _step(self) -> None:
+        deltas = []
+        for out in self.core.step():
+            logprobs = None
+            if out.logprobs:
+                logprobs = [protocol.TokenLogprob(lp.sampled_logprob, lp.top) for lp in out.logprobs]
+            deltas.append(protocol.RequestDelta(out.request_id, out.new_token_ids, out.finish_reason,
+                                                out.stop_reason, out.num_cached_tokens, out.error, logprobs))
+        self._send(deltas)
+
+    def _send(self, deltas: list) -> None:
+        self.outputs.send(protocol.encode(protocol.StepOutputs(deltas, self.core.stats())))
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self.context.term()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    die_with_parent()
+    exit_on_signals()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
+    worker = DecoderWorker(EngineConfig(**json.loads(args.config)), args.input, args.output)
+    try:
+        worker.load()
+        worker.run()
+    except SystemExit:
+        pass
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("decoder failed:\n%s", message)
+        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="decoder", message=message)))
+        raise
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
