@@ -28,6 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_options(serve)
     serve.add_argument("--verbose", action="store_true")
 
+    chat = commands.add_parser("chat", help="chat in the terminal with a running server (Realtime WebSocket)")
+    chat.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime")
+    chat.add_argument("--api-key", default=os.environ.get("ANTIPHON_API_KEY"))
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--system", default=None, help="instructions for the assistant")
+    chat.add_argument("--verbose", action="store_true")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -35,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "chat":
+        from frontend.chat_cli import run_chat
+        return run_chat(args)
     return 2
 
 

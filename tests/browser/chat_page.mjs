@@ -1,0 +1,41 @@
+// Opens the chat page in headless Chromium, sends a message, waits for the streamed answer.
+// Usage: node chat_page.mjs URL MESSAGE SCREENSHOT_PATH
+// Prints one JSON line: the answer's text, what the page showed while streaming, the panel.
+import { chromium } from "playwright-core";
+
+const [url, message, screenshot] = process.argv.slice(2);
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  // This machine has no network beyond loopback: keep Chromium from reaching out.
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"],
+});
+try {
+  const page = await browser.newPage();
+  const consoleErrors = [];
+  page.on("console", (m) => { if (m.type() === "error") consoleErrors.push(m.text()); });
+  await page.goto(url);
+  await page.waitForSelector(".status.connected");
+  await page.fill("#temperature", "0");
+  await page.fill("#max-tokens", "40");
+  await page.fill("#input", message);
+  await page.click("#send");
+  // Streaming: the assistant bubble shows partial text while the cursor blinks.
+  await page.waitForSelector(".message.assistant.streaming");
+  const partials = [];
+  const poll = setInterval(async () => {
+    try { partials.push(await page.textContent(".message.assistant")); } catch {}
+  }, 5);
+  await page.waitForSelector(".message.assistant:not(.streaming)", { timeout: 60000 });
+  clearInterval(poll);
+  const answer = await page.$eval(".message.assistant", (e) => e.firstChild ? e.firstChild.textContent : "");
+  const panel = {
+    ttft: await page.textContent("#ttft"), tps: await page.textContent("#tps"),
+    outTokens: await page.textContent("#out-tokens"), cached: await page.textContent("#cached"),
+  };
+  const stopDisabled = await page.$eval("#stop", (e) => e.disabled);
+  await page.screenshot({ path: screenshot });
+  console.log(JSON.stringify({ answer, partials: [...new Set(partials)], panel, stopDisabled, consoleErrors }));
+} finally {
+  await browser.close();
+}
