@@ -124,8 +124,7 @@ def scheduler_step_time(num_requests: int, steps: int) -> float:
         start = time.perf_counter()
         sched = scheduler.schedule()
         scheduling = time.perf_counter() - start
-        sampled = {r: 7 for r, n in sched.num_scheduled_tokens.items()
-                   if scheduler.requests[r].num_computed_tokens + n == scheduler.requests[r].num_tokens}
+        sampled = {r: 7 for r in sched.num_scheduled_tokens if scheduler.requests[r].num_output_placeholders}
         result = ModelRunnerOutput(sampled_token_ids=sampled)
         start = time.perf_counter()
         scheduler.update_from_output(sched, result)

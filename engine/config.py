@@ -31,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     # None takes the model's own context length.
     max_model_len: int | None = None
+    # Schedule step N+1 while step N runs (model in a worker thread). Same outputs.
+    async_scheduling: bool = False
     # A step that schedules nothing while requests wait counts as a stall; after this many
     # in a row the head-of-line request fails with an error instead of spinning forever.
     max_stalled_steps: int = 8

@@ -2,9 +2,16 @@
 
 It owns the scheduler, the KV cache manager and the model runner. It knows token ids
 only; text and stop strings belong to the output processing in LLMEngine.
+
+With async_scheduling the model runs in a worker thread and the next step is scheduled
+while the current one runs: the scheduler hands the runner placeholders for tokens not
+sampled yet, and the runner, executing steps in order, fills them in. Outputs are the same
+as without; a request that finishes in step N may have computed one wasted token in N+1.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.config import EngineConfig, resolve_sizes
 from engine.kv_cache_manager import KVCacheManager
@@ -27,6 +34,9 @@ class EngineCore:
         self.kv = KVCacheManager(self.sizes.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len)
         self.runner = ModelRunner(model, kv_cache_shape(model_config, self.sizes.num_kv_blocks, config.block_size))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if config.async_scheduling else None
+        # The step the runner is executing now: (what was scheduled, its future result).
+        self._in_flight: tuple | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -36,12 +46,32 @@ class EngineCore:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._executor is not None:
+            return self._step_pipelined()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         return self.scheduler.update_from_output(sched, result)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            self._in_flight = self._submit(self.scheduler.schedule())
+        sched, future = self._in_flight
+        # Schedule the next step while this one runs.
+        upcoming = self.scheduler.schedule() if self.scheduler.has_unfinished_requests else None
+        outputs = self.scheduler.update_from_output(sched, future.result())
+        self._in_flight = self._submit(upcoming) if upcoming is not None else None
+        return outputs
+
+    def _submit(self, sched) -> tuple:
+        future: Future = self._executor.submit(self.runner.execute, sched)
+        return sched, future
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -50,7 +50,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is computed or being computed by a scheduled step.
     num_computed_tokens: int = 0
+    # Tokens being sampled by scheduled steps whose results have not come back yet.
+    num_output_placeholders: int = 0
     # Prompt tokens served from the prefix cache the first time the request was scheduled.
     num_cached_tokens: int = 0
     # Hashes of the request's full blocks, extended as tokens arrive; never recomputed.

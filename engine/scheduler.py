@@ -1,7 +1,10 @@
 """The scheduler: one token budget per step, decodes first, then prefill chunks.
 
 There is no prefill/decode phase split: each request just advances num_computed_tokens
-towards num_tokens. When the KV pool runs dry the newest running request is preempted
+towards num_tokens. It advances when scheduled, not when the step returns, and a request
+whose chunk reaches its last known token gets an output placeholder: so the next step can
+be scheduled while this one still runs (asynchronous scheduling), the runner filling in the
+token it sampled. When the KV pool runs dry the newest running request is preempted
 (its blocks freed, recomputed later), so the oldest always makes progress.
 """
 
@@ -95,8 +98,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          budget)
+            if num_new <= 0 or self._will_have_finished(request):
                 index += 1
                 continue
             new_blocks = self.kv.allocate_slots(request, num_new)
@@ -111,12 +115,15 @@ class Scheduler:
                 out.cached_requests.append(request.request_id, [b.block_id for b in new_blocks],
                                            request.num_computed_tokens)
                 out.num_scheduled_tokens[request.request_id] = num_new
+                self._advance(request, num_new)
                 budget -= num_new
                 index += 1
 
         # Then waiting requests, oldest first, unless memory was just short.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a step in flight: its token must arrive first
             cached_blocks = []
             if request.num_computed_tokens == 0:
                 cached_blocks = self.kv.find_cached_prefix(request)
@@ -145,15 +152,32 @@ class Scheduler:
             ))
             self.known_to_runner.add(request.request_id)
             out.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
 
         self._guard_against_stall(out)
         return out
 
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+
+    def _will_have_finished(self, request: Request) -> bool:
+        """With tokens still in flight, another step would only compute a token past the end."""
+        if not request.num_output_placeholders:
+            return False
+        params = request.sampling_params
+        num_output = request.num_output_tokens + request.num_output_placeholders
+        return (num_output >= params.max_tokens
+                or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Tokens of steps still in flight stay pending: they arrive and are kept.
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -202,14 +226,14 @@ class Scheduler:
         self.pending_outputs = []
         requests, sampled, all_logprobs = self.requests, result.sampled_token_ids, result.logprobs
         block_size = self.block_size
-        for request_id, num_scheduled in sched.num_scheduled_tokens.items():
+        for request_id in sched.num_scheduled_tokens:
             request = requests.get(request_id)
             if request is None:
                 continue  # finished or aborted while the step ran
-            request.num_computed_tokens += num_scheduled
             token_id = sampled.get(request_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            request.num_output_placeholders -= 1
             request.output_token_ids.append(token_id)
             tokens = request.all_token_ids
             tokens.append(token_id)

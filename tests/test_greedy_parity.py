@@ -35,7 +35,10 @@ def greedy_params():
     dict(max_num_batched_tokens=24),
     dict(max_num_batched_tokens=64, block_size=4),
     dict(max_num_seqs=2),
-], ids=["default", "no-prefix-cache", "budget-8", "budget-24", "budget-64-block-4", "two-seqs"])
+    dict(async_scheduling=True),
+    dict(async_scheduling=True, max_num_batched_tokens=8, block_size=4),
+], ids=["default", "no-prefix-cache", "budget-8", "budget-24", "budget-64-block-4", "two-seqs", "async",
+        "async-budget-8"])
 def test_greedy_matches_transformers(case, engine_kwargs):
     path, prompts, expected = case
     llm = LLM(str(path), num_kv_blocks=256, **engine_kwargs)
@@ -44,20 +47,23 @@ def test_greedy_matches_transformers(case, engine_kwargs):
     assert all(o.finish_reason == "length" for o in outputs)
 
 
-def test_greedy_matches_transformers_under_preemption(case):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_matches_transformers_under_preemption(case, async_scheduling):
     path, prompts, expected = case
     # 31 usable blocks of 4 tokens: the longest request alone needs 30, so running
     # requests must be preempted and recomputed for everyone to finish.
-    llm = LLM(str(path), num_kv_blocks=32, block_size=4, max_num_batched_tokens=32)
+    llm = LLM(str(path), num_kv_blocks=32, block_size=4, max_num_batched_tokens=32,
+              async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, greedy_params())
     assert llm.engine.stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == expected
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_second_pass_hits_prefix_cache_and_matches(case, enable_prefix_caching):
+@pytest.mark.parametrize("enable_prefix_caching,async_scheduling", [(True, False), (False, False), (True, True)])
+def test_second_pass_hits_prefix_cache_and_matches(case, enable_prefix_caching, async_scheduling):
     path, prompts, expected = case
-    llm = LLM(str(path), num_kv_blocks=256, block_size=8, enable_prefix_caching=enable_prefix_caching)
+    llm = LLM(str(path), num_kv_blocks=256, block_size=8, enable_prefix_caching=enable_prefix_caching,
+              async_scheduling=async_scheduling)
     first = llm.generate(prompts, greedy_params())
     second = llm.generate(prompts, greedy_params())
     assert [o.token_ids for o in first] == expected

@@ -24,8 +24,8 @@ def add(scheduler, request_id, prompt_len, max_tokens=4, first_token=0):
 
 def run_step(scheduler):
     sched = scheduler.schedule()
-    sampled = {rid: 7 for rid, n in sched.num_scheduled_tokens.items()
-               if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens}
+    # A request samples when its chunk reached its last known token: it holds a placeholder.
+    sampled = {rid: 7 for rid in sched.num_scheduled_tokens if scheduler.requests[rid].num_output_placeholders}
     return sched, scheduler.update_from_output(sched, ModelRunnerOutput(sampled_token_ids=sampled))
 
 

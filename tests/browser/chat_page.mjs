@@ -18,16 +18,19 @@ try {
   await page.waitForSelector(".status.connected");
   await page.fill("#temperature", "0");
   await page.fill("#max-tokens", "40");
+  // Record every text the assistant bubble shows, from inside the page: polling from here
+  // would miss a fast stream.
+  await page.evaluate(() => {
+    window.__partials = [];
+    new MutationObserver(() => {
+      const bubble = document.querySelector(".message.assistant");
+      if (bubble) window.__partials.push(bubble.textContent);
+    }).observe(document.getElementById("conversation"), { childList: true, subtree: true, characterData: true });
+  });
   await page.fill("#input", message);
   await page.click("#send");
-  // Streaming: the assistant bubble shows partial text while the cursor blinks.
-  await page.waitForSelector(".message.assistant.streaming");
-  const partials = [];
-  const poll = setInterval(async () => {
-    try { partials.push(await page.textContent(".message.assistant")); } catch {}
-  }, 5);
   await page.waitForSelector(".message.assistant:not(.streaming)", { timeout: 60000 });
-  clearInterval(poll);
+  const partials = await page.evaluate(() => window.__partials);
   const answer = await page.$eval(".message.assistant", (e) => e.firstChild ? e.firstChild.textContent : "");
   const panel = {
     ttft: await page.textContent("#ttft"), tps: await page.textContent("#tps"),

@@ -1,0 +1,263 @@
+"""Serving benchmark: N concurrent streaming clients against the running server, like
+vLLM's `bench serve`, and the same workload on the offline engine in the same run.
+
+    python benchmarks/serve.py                      # starts its own server (default model)
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --model-path ~/.cache/antiphon/models/...
+
+Clients stream /v1/chat/completions (SSE) with ignore_eos, so every request produces
+exactly its max_tokens. Each client runs its requests back to back (closed loop); the
+offline run keeps the same number in flight through LLMEngine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TOPICS = ["a lighthouse keeper", "a robot learning to paint", "the history of bread", "a city under the sea",
+          "a chess match", "the first day of spring", "a lost umbrella", "an old train station"]
+
+
+@dataclass
+class RequestResult:
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float:
+        if self.output_tokens < 2:
+            return 0.0
+        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+
+
+def make_conversations(n: int, seed: int, min_words: int, max_words: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    filler = ("Please answer carefully and in detail, with examples where they help, and keep the tone "
+              "friendly and clear for a curious reader. ").split()
+    conversations = []
+    for i in range(n):
+        words = [filler[j % len(filler)] for j in range(rng.randint(min_words, max_words))]
+        text = f"Request {i}: tell me about {TOPICS[i % len(TOPICS)]}. " + " ".join(words)
+        conversations.append([{"role": "user", "content": text}])
+    return conversations
+
+
+async def stream_one(url: str, conversation: list[dict], max_tokens: int, api_key: str | None) -> RequestResult:
+    """One streamed chat completion over a raw asyncio HTTP/1.1 connection."""
+    target = urlparse(url)
+    body = json.dumps({"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "return_token_ids": True}).encode()
+    headers = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
+               f"Content-Length: {len(body)}", "Connection: close"]
+    if api_key:
+        headers.append(f"Authorization: Bearer {api_key}")
+    result = RequestResult(sent=time.perf_counter())
+    reader, writer = await asyncio.open_connection(target.hostname, target.port)
+    try:
+        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode() + body)
+        await writer.drain()
+        status = (await reader.readline()).decode()
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # headers
+        if " 200 " not in status:
+            result.error = status.strip()
+            return result
+        buffer = b""
+        while True:
+            size_line = await reader.readline()
+            size = int(size_line.strip() or b"0", 16)
+            if size == 0:
+                break
+            buffer += await reader.readexactly(size)
+            await reader.readexactly(2)
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                data = event.decode().removeprefix("data: ")
+                if data == "[DONE]":
+                    return result
+                payload = json.loads(data)
+                if "error" in payload:
+                    result.error = payload["error"]["message"]
+                    return result
+                for choice in payload["choices"]:
+                    tokens = choice["delta"].get("token_ids", [])
+                    if tokens:
+                        result.token_times.append(time.perf_counter())
+                        result.output_tokens += len(tokens)
+        return result
+    finally:
+        writer.close()
+
+
+async def run_clients(url: str, conversations: list[list[dict]], concurrency: int, max_tokens: int,
+                      api_key: str | None) -> tuple[list[RequestResult], float]:
+    queue = list(enumerate(conversations))
+    results: list[RequestResult | None] = [None] * len(conversations)
+
+    async def client() -> None:
+        while queue:
+            index, conversation = queue.pop(0)
+            results[index] = await stream_one(url, conversation, max_tokens, api_key)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def run_offline(model_path: str | None, conversations: list[list[dict]], concurrency: int, max_tokens: int,
+                engine_options: dict) -> tuple[list[RequestResult], float]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_path, **engine_options)
+    prompts = [llm.apply_chat_template(c) for c in conversations]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
+    engine = llm.engine
+    results: dict[str, RequestResult] = {}
+    pending = list(prompts)
+    start = time.perf_counter()
+    in_flight = 0
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            request_id = engine.add_request(pending.pop(0), params)
+            results[request_id] = RequestResult(sent=time.perf_counter())
+            in_flight += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            result = results[out.request_id]
+            if out.new_token_ids:
+                result.token_times.append(now)
+                result.output_tokens += len(out.new_token_ids)
+            if out.finished:
+                in_flight -= 1
+    return list(results.values()), time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], elapsed: float) -> dict:
+    ok = [r for r in results if r.error is None and r.token_times]
+    ttfts = sorted(r.ttft for r in ok)
+    itls = sorted(x for r in ok for x in r.itls)
+    tpots = sorted(r.tpot for r in ok)
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
+        "duration_s": elapsed, "request_throughput": len(ok) / elapsed, "output_throughput": tokens / elapsed,
+        "ttft": percentiles(ttfts), "tpot": percentiles(tpots), "itl": percentiles(itls),
+    }
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.mean(values)}
+
+
+def print_latency_probe(server: dict, offline: dict) -> None:
+    added = (server["ttft"]["p50"] - offline["ttft"]["p50"]) * 1000
+    print(f"\nOne stream at a time ({server['requests']} requests): p50 TTFT server "
+          f"{server['ttft']['p50'] * 1000:.1f} ms vs offline {offline['ttft']['p50'] * 1000:.1f} ms: "
+          f"the server path adds {added:+.1f} ms (target < 5 ms); p50 ITL {server['itl']['p50'] * 1000:.1f} vs "
+          f"{offline['itl']['p50'] * 1000:.1f} ms")
+
+
+def print_report(server: dict, offline: dict, concurrency: int) -> None:
+    ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    print(f"\n| metric (concurrency {concurrency}) | server | offline engine |\n|---|---|---|")
+    print(f"| requests (failed) | {server['requests']} ({server['failed']}) | {offline['requests']} "
+          f"({offline['failed']}) |")
+    print(f"| duration s | {server['duration_s']:.1f} | {offline['duration_s']:.1f} |")
+    print(f"| request throughput req/s | {server['request_throughput']:.2f} | {offline['request_throughput']:.2f} |")
+    print(f"| output throughput tok/s | {server['output_throughput']:.1f} | {offline['output_throughput']:.1f} |")
+    for name in ("ttft", "tpot", "itl"):
+        for q in ("p50", "p90", "p99"):
+            print(f"| {name.upper()} {q} ms | {ms(server[name][q])} | {ms(offline[name][q])} |")
+    ratio = server["output_throughput"] / offline["output_throughput"]
+    added = (server["ttft"]["p50"] - offline["ttft"]["p50"]) * 1000
+    print(f"\nserver / offline output tok/s: {ratio:.3f} ({ratio:.1%}; target >= 90%)")
+    print(f"p50 TTFT, server minus offline, at {concurrency} streams: {added:+.1f} ms (a request that arrives "
+          "while a step runs waits for it; offline, a finished request's successor joins the next step at once)")
+
+
+def start_server(model_path: str | None, port: int, engine_args: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(port), *engine_args]
+    if model_path:
+        command += ["--model", model_path]
+    process = subprocess.Popen(command, cwd=REPO)
+    import urllib.request
+    for _ in range(1200):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            time.sleep(0.25)
+    process.kill()
+    raise RuntimeError("server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=None, help="a running server; default: start one")
+    parser.add_argument("--model-path", default=None, help="model folder (default: the embedded model)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=(40, 200))
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--probe-requests", type=int, default=8,
+                        help="requests sent one at a time to measure the path's own latency")
+    args = parser.parse_args()
+
+    conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
+    engine_options = {"max_num_seqs": args.concurrency}
+    process = None
+    url = args.url
+    if url is None:
+        process = start_server(args.model_path, args.port, ["--max-num-seqs", str(args.concurrency),
+                                                            "--max-concurrent-requests", "1024"])
+        url = f"http://127.0.0.1:{args.port}"
+    try:
+        asyncio.run(run_clients(url, conversations[:2], 2, 4, args.api_key))  # warm up
+        server_results, server_elapsed = asyncio.run(
+            run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
+        probe = conversations[:args.probe_requests]
+        probe_results, probe_elapsed = asyncio.run(run_clients(url, probe, 1, 16, args.api_key))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait()
+    server = summarize(server_results, server_elapsed)
+    offline_results, offline_elapsed = run_offline(args.model_path, conversations, args.concurrency,
+                                                   args.max_tokens, engine_options)
+    offline = summarize(offline_results, offline_elapsed)
+    probe_offline, probe_offline_elapsed = run_offline(args.model_path, probe, 1, 16, engine_options)
+    print_report(server, offline, args.concurrency)
+    print_latency_probe(summarize(probe_results, probe_elapsed), summarize(probe_offline, probe_offline_elapsed))
+
+
+if __name__ == "__main__":
+    main()
