@@ -52,14 +52,14 @@ class RequestResult:
         return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
 
 
-def make_conversations(n: int, seed: int, min_words: int, max_words: int) -> list[list[dict]]:
+def make_conversations(n: int, seed: int, min_words: int, max_words: int, label: str = "Request") -> list[list[dict]]:
     rng = random.Random(seed)
     filler = ("Please answer carefully and in detail, with examples where they help, and keep the tone "
               "friendly and clear for a curious reader. ").split()
     conversations = []
     for i in range(n):
         words = [filler[j % len(filler)] for j in range(rng.randint(min_words, max_words))]
-        text = f"Request {i}: tell me about {TOPICS[i % len(TOPICS)]}. " + " ".join(words)
+        text = f"{label} {i}: tell me about {TOPICS[i % len(TOPICS)]}. " + " ".join(words)
         conversations.append([{"role": "user", "content": text}])
     return conversations
 
@@ -126,14 +126,12 @@ async def run_clients(url: str, conversations: list[list[dict]], concurrency: in
     return results, time.perf_counter() - start
 
 
-def run_offline(model_path: str | None, conversations: list[list[dict]], concurrency: int, max_tokens: int,
-                engine_options: dict) -> tuple[list[RequestResult], float]:
-    from engine import LLM, SamplingParams
+def run_offline(llm, conversations: list[list[dict]], concurrency: int,
+                max_tokens: int) -> tuple[list[RequestResult], float]:
+    from engine import SamplingParams
 
-    llm = LLM(model_path, **engine_options)
     prompts = [llm.apply_chat_template(c) for c in conversations]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm up
     engine = llm.engine
     results: dict[str, RequestResult] = {}
     pending = list(prompts)
@@ -228,33 +226,41 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(40, 200))
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                        help="for both the server and the offline engine")
     parser.add_argument("--probe-requests", type=int, default=8,
                         help="requests sent one at a time to measure the path's own latency")
     args = parser.parse_args()
 
     conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
-    engine_options = {"max_num_seqs": args.concurrency}
+    engine_options = {"max_num_seqs": args.concurrency,
+                      "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]}
     process = None
     url = args.url
     if url is None:
-        process = start_server(args.model_path, args.port, ["--max-num-seqs", str(args.concurrency),
-                                                            "--max-concurrent-requests", "1024"])
+        server_args = ["--max-num-seqs", str(args.concurrency), "--max-concurrent-requests", "1024"]
+        server_args += ["--async-scheduling", args.async_scheduling]
+        process = start_server(args.model_path, args.port, server_args)
         url = f"http://127.0.0.1:{args.port}"
     try:
         asyncio.run(run_clients(url, conversations[:2], 2, 4, args.api_key))  # warm up
         server_results, server_elapsed = asyncio.run(
             run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
-        probe = conversations[:args.probe_requests]
+        # New conversations: neither side has them in its prefix cache.
+        probe = make_conversations(args.probe_requests, 1, *args.prompt_words, label="Probe")
         probe_results, probe_elapsed = asyncio.run(run_clients(url, probe, 1, 16, args.api_key))
     finally:
         if process is not None:
             process.terminate()
             process.wait()
     server = summarize(server_results, server_elapsed)
-    offline_results, offline_elapsed = run_offline(args.model_path, conversations, args.concurrency,
-                                                   args.max_tokens, engine_options)
+    # The same engine settings, and like the server, one engine for both runs and a warm-up first.
+    from engine import LLM, SamplingParams
+    llm = LLM(args.model_path, **engine_options)
+    llm.generate([llm.apply_chat_template(c) for c in conversations[:2]], SamplingParams(max_tokens=4))
+    offline_results, offline_elapsed = run_offline(llm, conversations, args.concurrency, args.max_tokens)
     offline = summarize(offline_results, offline_elapsed)
-    probe_offline, probe_offline_elapsed = run_offline(args.model_path, probe, 1, 16, engine_options)
+    probe_offline, probe_offline_elapsed = run_offline(llm, probe, 1, 16)
     print_report(server, offline, args.concurrency)
     print_latency_probe(summarize(probe_results, probe_elapsed), summarize(probe_offline, probe_offline_elapsed))
 

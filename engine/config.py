@@ -31,8 +31,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     # None takes the model's own context length.
     max_model_len: int | None = None
-    # Schedule step N+1 while step N runs (model in a worker thread). Same outputs.
-    async_scheduling: bool = False
+    # Schedule step N+1 while step N runs (model in a worker thread); same outputs. None is
+    # auto: on for CUDA, where CPU scheduling hides behind GPU work; off on CPU, where the
+    # scheduler and the model share the same cores and the overlap measured as a loss.
+    async_scheduling: bool | None = None
     # A step that schedules nothing while requests wait counts as a stall; after this many
     # in a row the head-of-line request fails with an error instead of spinning forever.
     max_stalled_steps: int = 8

@@ -34,7 +34,10 @@ class EngineCore:
         self.kv = KVCacheManager(self.sizes.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len)
         self.runner = ModelRunner(model, kv_cache_shape(model_config, self.sizes.num_kv_blocks, config.block_size))
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if config.async_scheduling else None
+        use_async = config.async_scheduling
+        if use_async is None:
+            use_async = self.runner.device.type == "cuda"
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if use_async else None
         # The step the runner is executing now: (what was scheduled, its future result).
         self._in_flight: tuple | None = None
 

@@ -58,8 +58,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--no-async-scheduling", action="store_true",
-                       help="schedule each step only after the previous one returns")
+    group.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                       help="schedule step N+1 while step N runs (auto: on with CUDA, off on CPU)")
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,7 @@ def _serve(args) -> int:
             model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, async_scheduling=not args.no_async_scheduling)
+            max_model_len=args.max_model_len, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, allowed_origins=args.allowed_origins,
             max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,

@@ -114,3 +114,18 @@ def _is_zombie(pid: int) -> bool:
             return stat.read().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_server_with_async_scheduling_streams_the_offline_greedy_tokens(tiny_llama, tmp_path):
+    from engine import LLM, SamplingParams
+
+    expected = LLM(str(tiny_llama), num_kv_blocks=64).chat(HELLO, SamplingParams(temperature=0, max_tokens=30))[0]
+    server = ServerProcess(tiny_llama, "--async-scheduling", "on", log_dir=tmp_path)
+    try:
+        for _ in range(2):  # the second time from the prefix cache
+            status, body = post_json(server.url + "/v1/chat/completions", {
+                "messages": HELLO, "temperature": 0, "max_tokens": 30, "return_token_ids": True})
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == expected.token_ids
+    finally:
+        assert server.stop() == 0
