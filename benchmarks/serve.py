@@ -69,7 +69,7 @@ async def stream_one(url: str, conversation: list[dict], max_tokens: int, api_ke
     target = urlparse(url)
     body = json.dumps({"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "stream": True, "return_token_ids": True}).encode()
-    headers = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
+    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
                f"Content-Length: {len(body)}", "Connection: close"]
     if api_key:
         headers.append(f"Authorization: Bearer {api_key}")

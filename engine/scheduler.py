@@ -18,7 +18,7 @@ from engine.block_hash import extend_block_hashes
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+from engine.scheduler_output import (ModelRunnerOutput, NewRequestData,
                                      SchedulerOutput, TokenLogprobs)
 
 logger = logging.getLogger("antiphon")

@@ -91,7 +91,8 @@ def _serve(args) -> int:
             model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+            max_model_len=args.max_model_len,
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, allowed_origins=args.allowed_origins,
             max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,

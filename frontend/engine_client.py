@@ -16,7 +16,6 @@ import logging
 import shutil
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -165,7 +164,6 @@ class EngineClient:
             message = protocol.decode_output(await self.from_workers.recv())
             if isinstance(message, protocol.StepOutputs):
                 self.stats = message.stats
-                self.stats_time = time.monotonic()
                 for delta in message.deltas:
                     queue = self.queues.get(delta.request_id)
                     if queue is None:
