@@ -230,6 +230,7 @@ def main() -> None:
                         help="for both the server and the offline engine")
     parser.add_argument("--probe-requests", type=int, default=8,
                         help="requests sent one at a time to measure the path's own latency")
+    parser.add_argument("--probe-max-tokens", type=int, default=16)
     args = parser.parse_args()
 
     conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
@@ -248,7 +249,7 @@ def main() -> None:
             run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
         # New conversations: neither side has them in its prefix cache.
         probe = make_conversations(args.probe_requests, 1, *args.prompt_words, label="Probe")
-        probe_results, probe_elapsed = asyncio.run(run_clients(url, probe, 1, 16, args.api_key))
+        probe_results, probe_elapsed = asyncio.run(run_clients(url, probe, 1, args.probe_max_tokens, args.api_key))
     finally:
         if process is not None:
             process.terminate()
@@ -260,7 +261,7 @@ def main() -> None:
     llm.generate([llm.apply_chat_template(c) for c in conversations[:2]], SamplingParams(max_tokens=4))
     offline_results, offline_elapsed = run_offline(llm, conversations, args.concurrency, args.max_tokens)
     offline = summarize(offline_results, offline_elapsed)
-    probe_offline, probe_offline_elapsed = run_offline(llm, probe, 1, 16)
+    probe_offline, probe_offline_elapsed = run_offline(llm, probe, 1, args.probe_max_tokens)
     print_report(server, offline, args.concurrency)
     print_latency_probe(summarize(probe_results, probe_elapsed), summarize(probe_offline, probe_offline_elapsed))
 
