@@ -44,6 +44,14 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Append tokens up to the first that completes a stop string; returns that string."""
+        for token_id in token_ids:
+            matched = self.add_token(token_id)
+            if matched is not None:
+                return matched
+        return None
+
     def flush(self) -> None:
         """At the end, emit text still held back for an incomplete character."""
         if self.read_offset < len(self.tokens):

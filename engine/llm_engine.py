@@ -116,12 +116,10 @@ class LLMEngine:
             if core_output.logprobs:
                 out.logprobs = (out.logprobs or []) + core_output.logprobs
             finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
-            for token_id in core_output.new_token_ids:
-                matched = detok.add_token(token_id)
-                if matched is not None:
-                    finish_reason, stop_reason = "stop", matched
-                    self.core.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
-                    break
+            matched = detok.add_tokens(core_output.new_token_ids)
+            if matched is not None:
+                finish_reason, stop_reason = "stop", matched
+                self.core.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
             if finish_reason is not None:
                 detok.flush()
                 out.finish_reason, out.stop_reason, out.error = finish_reason, stop_reason, core_output.error

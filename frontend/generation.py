@@ -116,12 +116,10 @@ class GenerationService:
                 num_output += len(delta.new_token_ids)
                 cached = delta.num_cached_tokens
                 finish, stop_reason = delta.finish_reason, delta.stop_reason
-                for token_id in delta.new_token_ids:
-                    matched = detok.add_token(token_id)
-                    if matched is not None:
-                        finish, stop_reason = "stop", matched
-                        await self.client.abort([request_id])
-                        break
+                matched = detok.add_tokens(delta.new_token_ids)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
+                    await self.client.abort([request_id])
                 if finish is not None:
                     finished = True
                     detok.flush()
