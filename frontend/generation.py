@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 from engine import protocol
 from engine.detokenizer import IncrementalDetokenizer
@@ -94,7 +95,7 @@ class GenerationService:
         request_id = request_id or self.new_request_id()
         max_output = self.max_model_len - len(token_ids)
         if params.max_tokens > max_output:
-            params = SamplingParams(**{**_fields(params), "max_tokens": max_output})
+            params = msgspec.structs.replace(params, max_tokens=max_output)
         started = time.monotonic()
         queue = await self.client.add_request(protocol.EngineRequest(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
@@ -137,6 +138,3 @@ class GenerationService:
                 self.metrics.request_finished("abort", len(token_ids), num_output, cached)
                 await asyncio.shield(self.client.abort([request_id]))
 
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__struct_fields__}

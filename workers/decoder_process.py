@@ -97,6 +97,8 @@ class DecoderWorker:
         self.outputs.send(protocol.encode(protocol.StepOutputs(deltas, self.core.stats())))
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.close()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.context.term()

@@ -50,7 +50,6 @@ def kv_cache_shape(model_config, num_blocks: int, block_size: int) -> KVCacheSha
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape) -> None:
-        self.model = model
         self.decoder = model.model
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
