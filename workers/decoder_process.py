@@ -27,6 +27,13 @@ logger = logging.getLogger("antiphon.decoder")
 # How long an idle decoder waits on its input socket before looking again (ms).
 IDLE_POLL_MS = 1000
 
+# On CPU the decoder shares the cores with the frontend, and torch's OpenMP threads spin on
+# every core while a step runs. A first token that leaves just as the next step starts then
+# waits for CPU time in the frontend and in the client (measured: +2 to +8 ms TTFT). So after
+# a step that gives some request its first token, the decoder waits this long (taking any
+# new request that arrives meanwhile) before the next step: once per request, not per token.
+FIRST_TOKEN_HANDOFF_MS = 2
+
 
 class DecoderWorker:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -37,6 +44,9 @@ class DecoderWorker:
         self.outputs.connect(output_address)
         self.config = config
         self.core = None
+        self.handoff_ms = 0
+        # Requests that have not produced a token yet.
+        self._awaiting_first: set[str] = set()
 
     def load(self) -> None:
         from transformers import AutoConfig
@@ -49,26 +59,32 @@ class DecoderWorker:
         device = resolve_device(self.config.device)
         model = load_model(path, resolve_dtype(self.config.dtype, model_config, device), device)
         self.core = EngineCore(self.config, model, model.config)
+        self.handoff_ms = FIRST_TOKEN_HANDOFF_MS if device.type == "cpu" else 0
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
             num_kv_blocks=self.core.sizes.num_kv_blocks)))
 
     def run(self) -> None:
+        timeout = IDLE_POLL_MS
         while True:
-            # Block while idle; with work in flight, only take what has already arrived.
-            timeout = 0 if self.core.has_unfinished_requests else IDLE_POLL_MS
+            # Block while idle; with work in flight, only take what has already arrived
+            # (or what arrives during a first-token hand-off).
             while self.inputs.poll(timeout):
                 if not self._handle(protocol.decode_input(self.inputs.recv())):
                     return
                 timeout = 0
             if self.core.has_unfinished_requests:
-                self._step()
+                gave_first_tokens = self._step()
+                timeout = self.handoff_ms if gave_first_tokens else 0
+            else:
+                timeout = IDLE_POLL_MS
 
     def _handle(self, message) -> bool:
         if isinstance(message, protocol.EngineRequest):
             self._add(message)
         elif isinstance(message, protocol.AbortRequests):
             self.core.abort_requests(message.request_ids)
+            self._awaiting_first.difference_update(message.request_ids)
             # Freed blocks must show in the stats even if no step follows.
             self._send([])
         elif isinstance(message, protocol.Shutdown):
@@ -80,18 +96,26 @@ class DecoderWorker:
                           eos_token_ids=tuple(message.eos_token_ids), cache_salt=message.cache_salt)
         try:
             self.core.add_request(request)
+            self._awaiting_first.add(request.request_id)
         except ValueError as exc:
             self._send([protocol.RequestDelta(message.request_id, [], "error", error=str(exc))])
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Runs one engine step and sends its outputs; True if some request got its first token."""
         deltas = []
+        gave_first_tokens = False
         for out in self.core.step():
+            if out.new_token_ids and out.request_id in self._awaiting_first:
+                gave_first_tokens = True
+            if out.new_token_ids or out.finish_reason is not None:
+                self._awaiting_first.discard(out.request_id)
             logprobs = None
             if out.logprobs:
                 logprobs = [protocol.TokenLogprob(lp.sampled_logprob, lp.top) for lp in out.logprobs]
             deltas.append(protocol.RequestDelta(out.request_id, out.new_token_ids, out.finish_reason,
                                                 out.stop_reason, out.num_cached_tokens, out.error, logprobs))
         self._send(deltas)
+        return gave_first_tokens
 
     def _send(self, deltas: list) -> None:
         self.outputs.send(protocol.encode(protocol.StepOutputs(deltas, self.core.stats())))
