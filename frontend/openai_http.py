@@ -115,26 +115,31 @@ class ChatCompletions:
                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
 
         try:
-            yield event({"role": "assistant", "content": ""})
+            # The role event goes out in the same write as the first token, not one write ahead.
+            out = [event({"role": "assistant", "content": ""})]
             chunk = first
             while True:
                 if chunk.finish_reason == "error":
-                    yield _sse_data({"error": {"message": chunk.error, "type": "server_error",
-                                               "code": "engine_error"}})
+                    out.append(_sse_data({"error": {"message": chunk.error, "type": "server_error",
+                                                    "code": "engine_error"}}))
                     break
                 if chunk.text or (return_token_ids and chunk.token_ids):
                     delta = {"content": chunk.text}
                     if return_token_ids:
                         delta["token_ids"] = chunk.token_ids
-                    yield event(delta)
+                    out.append(event(delta))
                 if chunk.finish_reason is not None:
-                    yield event({}, chunk.finish_reason)
+                    out.append(event({}, chunk.finish_reason))
                     if include_usage:
-                        yield _sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                         "model": self.state.model_name, "choices": [], "usage": _usage(chunk)})
+                        out.append(_sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                              "model": self.state.model_name, "choices": [], "usage": _usage(chunk)}))
                     break
+                if out:
+                    yield "".join(out)
+                    out = []
                 chunk = await anext(stream)
-            yield "data: [DONE]\n\n"
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
         finally:
             # Runs on normal end and when the client disconnects: the stream's own cleanup
             # aborts the engine request and frees its blocks.

@@ -197,17 +197,23 @@ class RealtimeSession:
                     "conversation_id": self.session["id"] if in_conversation else None}
         where = {"response_id": response_id, "item_id": item["id"], "output_index": 0, "content_index": 0}
         text, last = "", None
+        stream = self.state.generation.stream(prompt, params, response_id)
+        # Submit the engine request first and announce the response while the prefill runs:
+        # the three events below are not on the way to the first token.
+        first = asyncio.create_task(anext(stream, None))
         try:
             await self.send({"type": "response.created", "response": response})
             await self.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
                              "item": item})
             await self.send({"type": "response.content_part.added", **where,
                              "part": {"type": "output_text", "text": ""}})
-            async for chunk in self.state.generation.stream(prompt, params, response_id):
+            chunk = await first
+            while chunk is not None:
                 last = chunk
                 if chunk.text:
                     text += chunk.text
                     await self.send({"type": "response.output_text.delta", **where, "delta": chunk.text})
+                chunk = await anext(stream, None)
             response["status"] = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "failed")
             if last.finish_reason == "length":
                 response["status_details"] = {"type": "incomplete", "reason": "max_output_tokens"}
@@ -226,6 +232,11 @@ class RealtimeSession:
             response["status"] = "cancelled"
             response["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
         finally:
+            # Cancelled before the first chunk: stop the pending step, whose cleanup aborts the
+            # engine request; then close the stream (a no-op if it already ended).
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await stream.aclose()
             self.state.limiter.release()
             self.responses.pop(response_id, None)
             if self.conversation_response == response_id:
