@@ -7,6 +7,10 @@ vLLM's `bench serve`, and the same workload on the offline engine in the same ru
 Clients stream /v1/chat/completions (SSE) with ignore_eos, so every request produces
 exactly its max_tokens. Each client runs its requests back to back (closed loop); the
 offline run keeps the same number in flight through LLMEngine.
+
+Then a latency probe: short conversations one at a time, rotating between HTTP/SSE, the
+Realtime WebSocket (through the SDK) and the offline engine, to show what the server path
+adds to the time to first token.
 """
 
 from __future__ import annotations
@@ -173,12 +177,92 @@ def percentiles(values: list[float]) -> dict:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.mean(values)}
 
 
-def print_latency_probe(server: dict, offline: dict) -> None:
-    added = (server["ttft"]["p50"] - offline["ttft"]["p50"]) * 1000
-    print(f"\nOne stream at a time ({server['requests']} requests): p50 TTFT server "
-          f"{server['ttft']['p50'] * 1000:.1f} ms vs offline {offline['ttft']['p50'] * 1000:.1f} ms: "
-          f"the server path adds {added:+.1f} ms (target < 5 ms); p50 ITL {server['itl']['p50'] * 1000:.1f} vs "
-          f"{offline['itl']['p50'] * 1000:.1f} ms")
+async def realtime_ttft(ws_url: str, conversation: list[dict], max_tokens: int, api_key: str | None) -> float:
+    """Seconds from response.create (on an open connection) to the first text delta, via the SDK."""
+    from frontend.client import RealtimeClient
+
+    async with RealtimeClient(ws_url, api_key=api_key) as client:
+        await client.update_session(temperature=0, max_output_tokens=max_tokens)
+        sent = time.perf_counter()
+        response = await client.create_response(conversation)
+        first = None
+        async for _ in response:
+            first = first or time.perf_counter()
+        return (first or time.perf_counter()) - sent
+
+
+def offline_ttft(llm, conversation: list[dict], max_tokens: int) -> float:
+    """Seconds from a conversation to its first token on the offline engine, chat template included,
+    as the server pays for it too."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(llm.apply_chat_template(conversation),
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    first = None
+    while engine.has_unfinished_requests:
+        outputs = engine.step()
+        if first is None and any(out.new_token_ids for out in outputs):
+            first = time.perf_counter() - start
+    return first
+
+
+def probe_latency(url: str, llm, rounds: int, words: tuple[int, int], max_tokens: int,
+                  api_key: str | None) -> dict[tuple[str, str], list[float]]:
+    """One request at a time, rotating between the server's two paths and the offline engine.
+
+    Each conversation is sent twice on its path: "fresh" (only the chat template's system
+    prompt is in the prefix cache) and "cached" (the whole prompt but its last partial block
+    is, as in a multi-turn chat). Two processes running the same forward pass differ by a few
+    percent on this kind of machine (memory layout), which on a fresh prompt's ~250 ms prefill
+    is about +-10 ms; the cached send computes one partial block, so what the path itself adds
+    shows. Interleaving keeps the machine's drift out of the comparison.
+    """
+    ws_url = url.replace("http", "ws", 1) + "/v1/realtime"
+    http_convs = make_conversations(rounds, 1, *words, label="Probe over HTTP")
+    ws_convs = make_conversations(rounds, 2, *words, label="Probe over Realtime")
+    ttfts: dict[tuple[str, str], list[float]] = {}
+
+    def http(i, kind):
+        result = asyncio.run(stream_one(url, http_convs[i], max_tokens, api_key))
+        if result.error or not result.token_times:
+            raise RuntimeError(f"probe request failed: {result.error}")
+        ttfts.setdefault(("http", kind), []).append(result.ttft)
+
+    def realtime(i, kind):
+        ttft = asyncio.run(realtime_ttft(ws_url, ws_convs[i], max_tokens, api_key))
+        ttfts.setdefault(("realtime", kind), []).append(ttft)
+
+    def offline(i, kind):
+        # The same conversations as each server path: what a path adds is a paired difference.
+        for name, conversation in (("http", http_convs[i]), ("realtime", ws_convs[i])):
+            ttfts.setdefault((f"offline-{name}", kind), []).append(offline_ttft(llm, conversation, max_tokens))
+
+    paths = [http, realtime, offline]
+    for i in range(rounds):
+        rotated = paths[i % 3:] + paths[:i % 3]  # so no path always goes first
+        for kind in ("fresh", "cached"):
+            for run in rotated:
+                run(i, kind)
+                time.sleep(0.05)
+    return ttfts
+
+
+def print_latency_probe(ttfts: dict[tuple[str, str], list[float]], max_tokens: int) -> None:
+    rounds = len(ttfts[("http", "fresh")])
+    print(f"\nOne request at a time ({rounds} conversations per path, each sent fresh then again with its "
+          f"prefix cached; {max_tokens} output tokens). p50 TTFT ms; added = p50 over conversations of "
+          "server minus offline TTFT for the same conversation (target < 5 ms):")
+    print("| path | fresh prompt | offline | added | cached prefix | offline | added |\n|---|---|---|---|---|---|---|")
+    for name, label in (("http", "HTTP/SSE"), ("realtime", "Realtime WebSocket")):
+        cells = []
+        for kind in ("fresh", "cached"):
+            server, offline = ttfts[(name, kind)], ttfts[(f"offline-{name}", kind)]
+            added = statistics.median(a - b for a, b in zip(server, offline))
+            cells += [f"{statistics.median(server) * 1000:.1f}", f"{statistics.median(offline) * 1000:.1f}",
+                      f"{added * 1000:+.1f}"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def print_report(server: dict, offline: dict, concurrency: int) -> None:
@@ -228,9 +312,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="for both the server and the offline engine")
-    parser.add_argument("--probe-requests", type=int, default=8,
-                        help="requests sent one at a time to measure the path's own latency")
-    parser.add_argument("--probe-max-tokens", type=int, default=16)
+    parser.add_argument("--probe-rounds", type=int, default=24,
+                        help="rounds of one request at a time on each path, to measure what the path adds")
+    parser.add_argument("--probe-words", type=int, nargs=2, default=(8, 12))
+    parser.add_argument("--probe-max-tokens", type=int, default=16,
+                        help="more than 1, so the decoder keeps computing while the first token travels")
+    parser.add_argument("--probe-only", action="store_true", help="skip the throughput run")
     args = parser.parse_args()
 
     conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
@@ -244,26 +331,26 @@ def main() -> None:
         process = start_server(args.model_path, args.port, server_args)
         url = f"http://127.0.0.1:{args.port}"
     try:
-        asyncio.run(run_clients(url, conversations[:2], 2, 4, args.api_key))  # warm up
-        server_results, server_elapsed = asyncio.run(
-            run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
-        # New conversations: neither side has them in its prefix cache.
-        probe = make_conversations(args.probe_requests, 1, *args.prompt_words, label="Probe")
-        probe_results, probe_elapsed = asyncio.run(run_clients(url, probe, 1, args.probe_max_tokens, args.api_key))
+        # The same engine settings, and like the server, a warm-up first. It idles while the
+        # server runs and the other way round; the latency probe alternates between them.
+        from engine import LLM, SamplingParams
+        llm = LLM(args.model_path, **engine_options)
+        llm.generate([llm.apply_chat_template(c) for c in conversations[:2]], SamplingParams(max_tokens=4))
+        asyncio.run(run_clients(url, conversations[:2], 2, 4, args.api_key))
+        if not args.probe_only:
+            server_results, server_elapsed = asyncio.run(
+                run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
+            offline_results, offline_elapsed = run_offline(llm, conversations, args.concurrency, args.max_tokens)
+        ttfts = probe_latency(url, llm, args.probe_rounds, tuple(args.probe_words), args.probe_max_tokens,
+                              args.api_key)
     finally:
         if process is not None:
             process.terminate()
             process.wait()
-    server = summarize(server_results, server_elapsed)
-    # The same engine settings, and like the server, one engine for both runs and a warm-up first.
-    from engine import LLM, SamplingParams
-    llm = LLM(args.model_path, **engine_options)
-    llm.generate([llm.apply_chat_template(c) for c in conversations[:2]], SamplingParams(max_tokens=4))
-    offline_results, offline_elapsed = run_offline(llm, conversations, args.concurrency, args.max_tokens)
-    offline = summarize(offline_results, offline_elapsed)
-    probe_offline, probe_offline_elapsed = run_offline(llm, probe, 1, args.probe_max_tokens)
-    print_report(server, offline, args.concurrency)
-    print_latency_probe(summarize(probe_results, probe_elapsed), summarize(probe_offline, probe_offline_elapsed))
+    if not args.probe_only:
+        print_report(summarize(server_results, server_elapsed), summarize(offline_results, offline_elapsed),
+                     args.concurrency)
+    print_latency_probe(ttfts, args.probe_max_tokens)
 
 
 if __name__ == "__main__":
