@@ -77,6 +77,9 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrent-per-connection", type=int, default=4)
     group.add_argument("--idle-timeout", type=float, default=600.0, dest="idle_timeout_s")
     group.add_argument("--max-worker-restarts", type=int, default=3)
+    group.add_argument("--ws-compression", action="store_true",
+                       help="accept permessage-deflate on WebSockets (off: compressing every small event "
+                            "costs CPU on both ends and delays tokens)")
 
 
 def _serve(args) -> int:
@@ -112,6 +115,7 @@ def _serve(args) -> int:
     # The transport's own cap sits above ours, so a merely oversized message gets an error
     # event (and the connection lives on) instead of a hard close.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, ws="websockets-sansio",
+                                           ws_per_message_deflate=args.ws_compression,
                                            ws_max_size=4 * server_config.max_message_bytes,
                                            log_level="info" if args.verbose else "warning"))
     try:

@@ -182,6 +182,14 @@ async def test_websocket_disconnect_mid_response_frees_blocks(server):
     assert await asyncio.to_thread(wait_for, lambda: blocks_freed(server))
 
 
+async def test_websocket_compression_is_declined_by_default(server):
+    # Compressing every small delta costs CPU on both ends; by default the server declines the
+    # permessage-deflate offer that websockets clients (and browsers) make.
+    async with websockets.connect(server.ws_url, compression="deflate") as websocket:
+        assert websocket.response.headers.get("Sec-WebSocket-Extensions") is None
+        assert json.loads(await websocket.recv())["type"] == "session.created"
+
+
 async def test_bad_realtime_events_get_error_events_and_the_connection_survives(server):
     async with websockets.connect(server.ws_url) as websocket:
         assert json.loads(await websocket.recv())["type"] == "session.created"

@@ -18,7 +18,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     process = ServerProcess(tiny_llama, "--api-key", KEY, "--allowed-origin", "http://ok.example",
-                            "--max-concurrent-requests", "1", "--idle-timeout", "1",
+                            "--max-concurrent-requests", "1", "--idle-timeout", "1", "--ws-compression",
                             log_dir=tmp_path_factory.mktemp("logs"))
     yield process
     assert process.stop() == 0, process.log_text()
@@ -44,6 +44,14 @@ async def test_websocket_with_a_wrong_key_gets_an_error_and_is_closed(server):
     assert error.value.code == "invalid_api_key"
     async with RealtimeClient(server.ws_url, api_key=KEY) as client:
         assert client.session["object"] == "realtime.session"
+
+
+async def test_websocket_compression_when_enabled(server):
+    async with RealtimeClient(server.ws_url, api_key=KEY) as client:
+        assert "permessage-deflate" in client._ws.response.headers.get("Sec-WebSocket-Extensions", "")
+        await client.update_session(temperature=0, max_output_tokens=3)
+        response = await (await client.create_response(HELLO)).wait()
+        assert response.usage["output_tokens"] == 3 and response.text
 
 
 async def test_browser_key_subprotocol_and_origin_check(server):
