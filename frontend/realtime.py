@@ -199,9 +199,11 @@ class RealtimeSession:
         text, last = "", None
         stream = self.state.generation.stream(prompt, params, response_id)
         # Submit the engine request first and announce the response while the prefill runs:
-        # the three events below are not on the way to the first token.
+        # the three events below are not on the way to the first token. The yield lets the
+        # task send the request now (sending events does not yield; measured: +0.5 ms TTFT).
         first = asyncio.create_task(anext(stream, None))
         try:
+            await asyncio.sleep(0)
             await self.send({"type": "response.created", "response": response})
             await self.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
                              "item": item})
