@@ -10,7 +10,12 @@ offline run keeps the same number in flight through LLMEngine.
 
 Then a latency probe: short conversations one at a time, rotating between HTTP/SSE, the
 Realtime WebSocket (through the SDK) and the offline engine, to show what the server path
-adds to the time to first token.
+adds to the time to first token. On this CPU two processes running the same forward pass
+differ by a few percent, which on the default model is more than the path costs; with
+`--miniature` (a random-weight 2-layer copy with the same tokenizer and chat template) the
+forward pass takes about a millisecond and the path's share is measured precisely:
+
+    python benchmarks/serve.py --miniature --probe-only --probe-rounds 60
 """
 
 from __future__ import annotations
@@ -236,7 +241,9 @@ def probe_latency(url: str, llm, rounds: int, words: tuple[int, int], max_tokens
 
     def offline(i, kind):
         # The same conversations as each server path: what a path adds is a paired difference.
-        for name, conversation in (("http", http_convs[i]), ("realtime", ws_convs[i])):
+        # The order alternates: the first request after a pause runs on colder caches.
+        pairs = [("http", http_convs[i]), ("realtime", ws_convs[i])]
+        for name, conversation in (pairs if i % 2 == 0 else pairs[::-1]):
             ttfts.setdefault((f"offline-{name}", kind), []).append(offline_ttft(llm, conversation, max_tokens))
 
     paths = [http, realtime, offline]
@@ -304,6 +311,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="a running server; default: start one")
     parser.add_argument("--model-path", default=None, help="model folder (default: the embedded model)")
+    parser.add_argument("--miniature", action="store_true",
+                        help="serve a random-weight 2-layer miniature of the default model (same tokenizer and "
+                             "template; ~1 ms forward pass), so the latency probe times the serving path alone")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -320,6 +330,9 @@ def main() -> None:
     parser.add_argument("--probe-only", action="store_true", help="skip the throughput run")
     args = parser.parse_args()
 
+    if args.miniature:
+        from benchmarks.miniature import ensure_miniature
+        args.model_path = str(ensure_miniature())
     conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
     engine_options = {"max_num_seqs": args.concurrency,
                       "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]}
