@@ -18,15 +18,22 @@ MINIATURE_NAME = "SmolLM2-miniature-2x64"
 
 
 def ensure_miniature() -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from workers.model_loader import cache_dir, ensure_default_model
+    from workers.model_loader import cache_dir, ensure_default_model, file_lock
 
     target = cache_dir() / "models" / MINIATURE_NAME
     if (target / "config.json").is_file():
         return target
     source = ensure_default_model()
+    with file_lock(target.parent / f".{MINIATURE_NAME}.lock"):  # a benchmark and a test may race
+        if not (target / "config.json").is_file():
+            _build(source, target)
+    return target
+
+
+def _build(source: Path, target: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     reference = LlamaConfig.from_pretrained(source)
     config = LlamaConfig(
         vocab_size=reference.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -42,7 +49,6 @@ def ensure_miniature() -> Path:
         if (source / name).is_file():
             shutil.copy(source / name, staging / name)
     staging.rename(target)  # a complete folder or none: an interrupted build is redone
-    return target
 
 
 if __name__ == "__main__":

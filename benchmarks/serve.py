@@ -5,8 +5,9 @@ vLLM's `bench serve`, and the same workload on the offline engine in the same ru
     python benchmarks/serve.py --url http://127.0.0.1:8000 --model-path ~/.cache/antiphon/models/...
 
 Clients stream /v1/chat/completions (SSE) with ignore_eos, so every request produces
-exactly its max_tokens. Each client runs its requests back to back (closed loop); the
-offline run keeps the same number in flight through LLMEngine.
+exactly its output budget (spread around --max-tokens). Each client runs its requests back
+to back (closed loop); the offline run keeps the same number in flight through LLMEngine.
+Server and offline runs alternate over --rounds, each round with fresh conversations.
 
 Then a latency probe: short conversations one at a time, rotating between HTTP/SSE, the
 Realtime WebSocket (through the SDK) and the offline engine, to show what the server path
@@ -120,7 +121,15 @@ async def stream_one(url: str, conversation: list[dict], max_tokens: int, api_ke
         writer.close()
 
 
-async def run_clients(url: str, conversations: list[list[dict]], concurrency: int, max_tokens: int,
+def output_lengths(n: int, seed: int, mean: int, range_ratio: float) -> list[int]:
+    """Output budgets spread around `mean` (like vLLM's random dataset), so closed-loop clients
+    do not finish in lockstep and arrive in waves."""
+    rng = random.Random(seed)
+    low, high = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+async def run_clients(url: str, conversations: list[list[dict]], concurrency: int, max_tokens: list[int],
                       api_key: str | None) -> tuple[list[RequestResult], float]:
     queue = list(enumerate(conversations))
     results: list[RequestResult | None] = [None] * len(conversations)
@@ -128,7 +137,7 @@ async def run_clients(url: str, conversations: list[list[dict]], concurrency: in
     async def client() -> None:
         while queue:
             index, conversation = queue.pop(0)
-            results[index] = await stream_one(url, conversation, max_tokens, api_key)
+            results[index] = await stream_one(url, conversation, max_tokens[index], api_key)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -136,19 +145,19 @@ async def run_clients(url: str, conversations: list[list[dict]], concurrency: in
 
 
 def run_offline(llm, conversations: list[list[dict]], concurrency: int,
-                max_tokens: int) -> tuple[list[RequestResult], float]:
+                max_tokens: list[int]) -> tuple[list[RequestResult], float]:
     from engine import SamplingParams
 
     prompts = [llm.apply_chat_template(c) for c in conversations]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.engine
     results: dict[str, RequestResult] = {}
-    pending = list(prompts)
+    pending = list(zip(prompts, max_tokens))
     start = time.perf_counter()
     in_flight = 0
     while pending or in_flight:
         while pending and in_flight < concurrency:
-            request_id = engine.add_request(pending.pop(0), params)
+            prompt, budget = pending.pop(0)
+            request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True))
             results[request_id] = RequestResult(sent=time.perf_counter())
             in_flight += 1
         for out in engine.step():
@@ -272,8 +281,9 @@ def print_latency_probe(ttfts: dict[tuple[str, str], list[float]], max_tokens: i
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
-def print_report(server: dict, offline: dict, concurrency: int) -> None:
+def print_report(server: dict, offline: dict, concurrency: int, rounds: int) -> None:
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    print(f"\n{rounds} rounds, server and offline alternating which goes first; totals over all rounds.")
     print(f"\n| metric (concurrency {concurrency}) | server | offline engine |\n|---|---|---|")
     print(f"| requests (failed) | {server['requests']} ({server['failed']}) | {offline['requests']} "
           f"({offline['failed']}) |")
@@ -286,8 +296,10 @@ def print_report(server: dict, offline: dict, concurrency: int) -> None:
     ratio = server["output_throughput"] / offline["output_throughput"]
     added = (server["ttft"]["p50"] - offline["ttft"]["p50"]) * 1000
     print(f"\nserver / offline output tok/s: {ratio:.3f} ({ratio:.1%}; target >= 90%)")
-    print(f"p50 TTFT, server minus offline, at {concurrency} streams: {added:+.1f} ms (a request that arrives "
-          "while a step runs waits for it; offline, a finished request's successor joins the next step at once)")
+    print(f"p50 TTFT, server minus offline, at {concurrency} streams: {added:+.1f} ms. Under load TTFT is mostly "
+          "queueing for prefill and moves by seconds between runs: a request that reaches the server while a step "
+          "runs waits for it, while offline a finished request's successor joins the next step at once. What the "
+          "path itself adds is measured one request at a time, below.")
 
 
 def start_server(model_path: str | None, port: int, engine_args: list[str]) -> subprocess.Popen:
@@ -317,7 +329,11 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="mean output tokens per request")
+    parser.add_argument("--output-range-ratio", type=float, default=0.5,
+                        help="output budgets are uniform in max_tokens * [1 - r, 1 + r]")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="server/offline pairs, alternating which goes first")
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(40, 200))
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
@@ -333,7 +349,7 @@ def main() -> None:
     if args.miniature:
         from benchmarks.miniature import ensure_miniature
         args.model_path = str(ensure_miniature())
-    conversations = make_conversations(args.num_requests, 0, *args.prompt_words)
+    warmup = make_conversations(2, 99, *args.prompt_words, label="Warm-up")
     engine_options = {"max_num_seqs": args.concurrency,
                       "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]}
     process = None
@@ -348,12 +364,27 @@ def main() -> None:
         # server runs and the other way round; the latency probe alternates between them.
         from engine import LLM, SamplingParams
         llm = LLM(args.model_path, **engine_options)
-        llm.generate([llm.apply_chat_template(c) for c in conversations[:2]], SamplingParams(max_tokens=4))
-        asyncio.run(run_clients(url, conversations[:2], 2, 4, args.api_key))
-        if not args.probe_only:
-            server_results, server_elapsed = asyncio.run(
-                run_clients(url, conversations, args.concurrency, args.max_tokens, args.api_key))
-            offline_results, offline_elapsed = run_offline(llm, conversations, args.concurrency, args.max_tokens)
+        llm.generate([llm.apply_chat_template(c) for c in warmup], SamplingParams(max_tokens=4))
+        asyncio.run(run_clients(url, warmup, 2, [4, 4], args.api_key))
+        server_results, offline_results, server_elapsed, offline_elapsed = [], [], 0.0, 0.0
+        for round_index in range(0 if args.probe_only else args.rounds):
+            # Fresh conversations each round (no prefix shared with the last round's), and the
+            # order flips (server first, then offline first): this machine's speed drifts by
+            # 10-20% over minutes, which one server run beside one offline run cannot tell apart
+            # from a real difference.
+            conversations = make_conversations(args.num_requests, round_index, *args.prompt_words,
+                                               label=f"Round {round_index} request")
+            budgets = output_lengths(args.num_requests, round_index, args.max_tokens, args.output_range_ratio)
+            for side in (("server", "offline") if round_index % 2 == 0 else ("offline", "server")):
+                if side == "server":
+                    results, elapsed = asyncio.run(
+                        run_clients(url, conversations, args.concurrency, budgets, args.api_key))
+                    server_results += results
+                    server_elapsed += elapsed
+                else:
+                    results, elapsed = run_offline(llm, conversations, args.concurrency, budgets)
+                    offline_results += results
+                    offline_elapsed += elapsed
         ttfts = probe_latency(url, llm, args.probe_rounds, tuple(args.probe_words), args.probe_max_tokens,
                               args.api_key)
     finally:
@@ -362,7 +393,7 @@ def main() -> None:
             process.wait()
     if not args.probe_only:
         print_report(summarize(server_results, server_elapsed), summarize(offline_results, offline_elapsed),
-                     args.concurrency)
+                     args.concurrency, args.rounds)
     print_latency_probe(ttfts, args.probe_max_tokens)
 
 

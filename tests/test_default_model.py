@@ -9,3 +9,19 @@ def test_default_model_knows_the_capital_of_france():
                    SamplingParams(temperature=0, max_tokens=30))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+def test_miniature_keeps_the_default_models_tokenizer_and_template():
+    # benchmarks/serve.py --miniature times the serving path on this copy; the claim holds only
+    # if requests tokenize and template exactly as on the default model.
+    from benchmarks.miniature import ensure_miniature
+    from workers.model_loader import ensure_default_model
+
+    default, miniature = LLM(str(ensure_default_model()), num_kv_blocks=64), LLM(str(ensure_miniature()),
+                                                                                  num_kv_blocks=64)
+    conversation = [{"role": "user", "content": "Tell me about a lighthouse keeper."}]
+    assert miniature.apply_chat_template(conversation) == default.apply_chat_template(conversation)
+    assert miniature.engine.model.config.num_hidden_layers == 2
+    out = miniature.generate([miniature.apply_chat_template(conversation)],
+                             SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5

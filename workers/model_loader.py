@@ -49,7 +49,7 @@ def ensure_default_model() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (test workers, actors) may race to convert: one does, the rest wait.
-    with _file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
         if not (target / "config.json").is_file():
             _convert_default_model(target)
     return target
@@ -82,7 +82,7 @@ def _convert_default_model(target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
