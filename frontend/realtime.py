@@ -199,8 +199,9 @@ class RealtimeSession:
         text, last = "", None
         stream = self.state.generation.stream(prompt, params, response_id)
         # Submit the engine request first and announce the response while the prefill runs:
-        # the three events below are not on the way to the first token. The yield lets the
-        # task send the request now (sending events does not yield; measured: +0.5 ms TTFT).
+        # the three events below are not on the way to the first token. Sending them does not
+        # yield to the loop, so without this sleep(0) the task would submit only after all
+        # three (measured: 0.5 ms of TTFT).
         first = asyncio.create_task(anext(stream, None))
         try:
             await asyncio.sleep(0)
