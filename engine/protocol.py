@@ -75,7 +75,18 @@ class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):
     message: str
 
 
-WorkerOutput = StepOutputs | WorkerReady | WorkerFailed
+class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
+    """Sent by a worker's main loop (never a side thread) at least every HEARTBEAT_INTERVAL_S
+    while it is idle or between steps, so the frontend can tell a hung worker from a busy one."""
+
+    worker: str
+    pid: int
+
+
+# How often an idle worker's main loop reports that it is alive.
+HEARTBEAT_INTERVAL_S = 1.0
+
+WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(DecoderInput)
