@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import time
 import traceback
 
 import zmq
@@ -24,8 +25,9 @@ from workers.process_guard import die_with_parent, exit_on_signals
 
 logger = logging.getLogger("antiphon.decoder")
 
-# How long an idle decoder waits on its input socket before looking again (ms).
-IDLE_POLL_MS = 1000
+# How long an idle decoder waits on its input socket before looking again (ms): it must
+# send a heartbeat at least every HEARTBEAT_INTERVAL_S.
+IDLE_POLL_MS = int(protocol.HEARTBEAT_INTERVAL_S * 1000)
 
 # On CPU the decoder shares the cores with the frontend, and torch's OpenMP threads spin on
 # every core while a step runs. A first token that leaves just as the next step starts then
@@ -47,6 +49,7 @@ class DecoderWorker:
         self.handoff_ms = 0
         # Requests that have not produced a token yet.
         self._awaiting_first: set[str] = set()
+        self._last_sent = time.monotonic()
 
     def load(self) -> None:
         from transformers import AutoConfig
@@ -78,6 +81,9 @@ class DecoderWorker:
                 timeout = self.handoff_ms if gave_first_tokens else 0
             else:
                 timeout = IDLE_POLL_MS
+            # Sent from this loop, never from a side thread: a loop that hangs stops beating.
+            if time.monotonic() - self._last_sent >= protocol.HEARTBEAT_INTERVAL_S:
+                self._send_message(protocol.Heartbeat(worker="decoder", pid=os.getpid()))
 
     def _handle(self, message) -> bool:
         if isinstance(message, protocol.EngineRequest):
@@ -118,7 +124,11 @@ class DecoderWorker:
         return gave_first_tokens
 
     def _send(self, deltas: list) -> None:
-        self.outputs.send(protocol.encode(protocol.StepOutputs(deltas, self.core.stats())))
+        self._send_message(protocol.StepOutputs(deltas, self.core.stats()))
+
+    def _send_message(self, message) -> None:
+        self.outputs.send(protocol.encode(message))
+        self._last_sent = time.monotonic()
 
     def close(self) -> None:
         if self.core is not None:

@@ -32,9 +32,13 @@ def main() -> None:
     outputs.connect(args.output)
     try:
         outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
+        heartbeat = protocol.encode(protocol.Heartbeat(worker="encoder", pid=os.getpid()))
         while True:
-            if isinstance(protocol.decode_input(inputs.recv()), protocol.Shutdown):
-                break
+            if inputs.poll(int(protocol.HEARTBEAT_INTERVAL_S * 1000)):
+                if isinstance(protocol.decode_input(inputs.recv()), protocol.Shutdown):
+                    break
+            else:
+                outputs.send(heartbeat)
     except SystemExit:
         pass
     finally:
