@@ -149,6 +149,11 @@ class EngineClient:
         await self.to_decoder.send(protocol.encode(request))
         return queue
 
+    def release(self, request_id: str) -> None:
+        """Unregister a request and abort it in the decoder unless it finished (idempotent)."""
+        if self.queues.pop(request_id, None) is not None and self.healthy:
+            asyncio.ensure_future(self.to_decoder.send(protocol.encode(protocol.AbortRequests([request_id]))))
+
     async def abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if self.queues.pop(r, None) is not None]
         if live and self.healthy:
