@@ -1,0 +1,116 @@
+"""The body of POST /v1/chat/completions, as a typed struct, and its sampling parameters.
+
+Fields of the OpenAI schema that this server does not act on yet are not declared, so
+they are ignored as before; the API-completeness work turns those into clear refusals.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from frontend.edge_decoding import Count, InvalidInput, Number, Seed
+
+Role = Literal["system", "developer", "user", "assistant"]
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: Role
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=4096)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message as one string; non-text parts are refused with a clear error."""
+        if self.content is None:
+            raise InvalidInput("a message needs content", "invalid_message", "messages.content")
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.type not in TEXT_PART_TYPES:
+                raise InvalidInput(f"content part type {part.type!r} is not supported yet; send text",
+                                   "unsupported_content_type", "messages.content")
+            if part.text is None:
+                raise InvalidInput("a text content part needs 'text'", "invalid_value", "messages.content")
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = True
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=65536)]
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Count | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    n: Count | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=1024)] | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = False
+    logprobs: bool | None = None
+    top_logprobs: Count | None = None
+    user: str | None = None
+    # Extension, as in vLLM: the generated token ids beside the text.
+    return_token_ids: bool = False
+
+    def conversation(self) -> list[dict]:
+        if not self.messages:
+            raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling_params(self, default_max_tokens: int, max_stop_strings: int) -> SamplingParams:
+        """A bad value is an InvalidInput naming the field."""
+        if self.n not in (None, 1):
+            raise InvalidInput("only n=1 is supported", "unsupported_parameter", "n")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > max_stop_strings:
+            raise InvalidInput(f"at most {max_stop_strings} stop strings are allowed", "invalid_value", "stop")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        fields = {
+            "temperature": _or(self.temperature, 1.0),
+            "top_p": _or(self.top_p, 1.0),
+            "top_k": _or(self.top_k, 0),
+            "min_p": _or(self.min_p, 0.0),
+            "seed": self.seed,
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "stop": stop,
+            "presence_penalty": _or(self.presence_penalty, 0.0),
+            "frequency_penalty": _or(self.frequency_penalty, 0.0),
+            "repetition_penalty": _or(self.repetition_penalty, 1.0),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": _or(self.top_logprobs, 0) if self.logprobs else None,
+        }
+        return sampling_params_or_invalid(fields)
+
+
+def sampling_params_or_invalid(fields: dict, param_names: dict | None = None) -> SamplingParams:
+    """SamplingParams(**fields), with its ValueError turned into InvalidInput naming the field."""
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as exc:
+        field = next((name for name in fields if f" {name}=" in f" {exc}"), None)
+        param = (param_names or {}).get(field, field)
+        raise InvalidInput(str(exc), "invalid_value", param) from None
+
+
+def _or(value, default):
+    return default if value is None else value

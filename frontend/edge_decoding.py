@@ -1,0 +1,51 @@
+"""Turning bytes from a client into typed structs, with errors that name the field.
+
+Every HTTP body and Realtime event is decoded here, once, at the edge: handlers only ever
+see msgspec structs whose types and bounds are already checked, so a bad field is one
+`InvalidInput` (a 400 or an `error` event naming it), never an exception three calls in.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import msgspec
+
+# Integers clients may send for sizes and counts; far above any real limit, and small
+# enough that every later encoding (msgpack, torch) accepts them.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+# A seed is any signed 64-bit integer (torch generators and msgpack take them all).
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Number = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+class InvalidInput(ValueError):
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def decode_json(data: bytes | str, type_, what: str = "request"):
+    """Decode JSON into `type_`; raises InvalidInput naming the offending field."""
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.ValidationError as exc:
+        message, param = _split_path(str(exc))
+        raise InvalidInput(f"invalid {what}: {message}" + (f" (at {param})" if param else ""),
+                           "invalid_value", param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"malformed JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise InvalidInput("JSON nested too deeply", "invalid_json") from None
+
+
+def _split_path(message: str) -> tuple[str, str | None]:
+    match = _PATH.search(message)
+    if match is None:
+        return message, None
+    path = match.group("path").lstrip(".")
+    return message[:match.start()], path or None

@@ -1,0 +1,126 @@
+"""Realtime client events as typed structs (GA names, with the beta aliases accepted).
+
+`decode_client_event` turns one WebSocket message into one of these or raises
+InvalidInput naming the field. Settings a client leaves out stay UNSET, so an update
+changes only what it names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from frontend.edge_decoding import Count, InvalidInput, Number, Seed, decode_json
+
+TEXT_PART_TYPES = ("input_text", "text", "output_text")
+MaxOutputTokens = Count | Literal["inf"]
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class MessageItem(msgspec.Struct, kw_only=True):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "assistant"]
+    content: Annotated[list[ContentPart], msgspec.Meta(min_length=1, max_length=4096)]
+    id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+
+    def text(self) -> str:
+        for part in self.content:
+            if part.type not in TEXT_PART_TYPES:
+                raise InvalidInput(f"content part type {part.type!r} is not supported yet; send text",
+                                   "unsupported_content_type", "item.content")
+            if part.text is None:
+                raise InvalidInput("a text content part needs a string 'text'", "invalid_value", "item.content")
+        return "".join(part.text for part in self.content)
+
+
+class SessionSettings(msgspec.Struct, kw_only=True):
+    type: str | UnsetType = UNSET
+    model: str | UnsetType = UNSET
+    output_modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(max_length=2)] | UnsetType = UNSET
+    modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(max_length=2)] | UnsetType = UNSET
+    instructions: str | UnsetType = UNSET
+    max_output_tokens: MaxOutputTokens | UnsetType = UNSET
+    max_response_output_tokens: MaxOutputTokens | UnsetType = UNSET
+    temperature: Number | UnsetType = UNSET
+    top_p: Number | UnsetType = UNSET
+    seed: Seed | None | UnsetType = UNSET
+
+
+class ResponseOptions(SessionSettings, kw_only=True):
+    conversation: Literal["auto", "none"] | UnsetType = UNSET
+    input: Annotated[list[MessageItem], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
+
+
+class SessionUpdate(msgspec.Struct, tag="session.update", tag_field="type", kw_only=True):
+    session: SessionSettings
+    event_id: str | None = None
+
+
+class ItemCreate(msgspec.Struct, tag="conversation.item.create", tag_field="type", kw_only=True):
+    item: MessageItem
+    previous_item_id: str | None = None
+    event_id: str | None = None
+
+
+class ItemDelete(msgspec.Struct, tag="conversation.item.delete", tag_field="type", kw_only=True):
+    item_id: str
+    event_id: str | None = None
+
+
+class ItemRetrieve(msgspec.Struct, tag="conversation.item.retrieve", tag_field="type", kw_only=True):
+    item_id: str
+    event_id: str | None = None
+
+
+class ItemTruncate(msgspec.Struct, tag="conversation.item.truncate", tag_field="type", kw_only=True):
+    item_id: str
+    content_index: Count
+    audio_end_ms: Count
+    event_id: str | None = None
+
+
+class ResponseCreate(msgspec.Struct, tag="response.create", tag_field="type", kw_only=True):
+    response: ResponseOptions = msgspec.field(default_factory=ResponseOptions)
+    event_id: str | None = None
+
+
+class ResponseCancel(msgspec.Struct, tag="response.cancel", tag_field="type", kw_only=True):
+    response_id: str | None = None
+    event_id: str | None = None
+
+
+ClientEvent = SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+EVENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientEvent.__args__)
+
+
+class _Envelope(msgspec.Struct):
+    type: str | None = None
+    event_id: str | None = None
+
+
+def decode_client_event(data: bytes | str) -> ClientEvent:
+    try:
+        return decode_json(data, ClientEvent, "event")
+    except InvalidInput as exc:
+        envelope = _envelope(data)
+        if exc.code == "invalid_value" and exc.param == "type":
+            if isinstance(envelope.type, str) and envelope.type not in EVENT_TYPES:
+                exc = InvalidInput(f"unknown event type {envelope.type!r}", "unknown_event_type", "type")
+        elif exc.code == "invalid_value" and exc.param is None and envelope.type is None:
+            exc = InvalidInput("an event is a JSON object with a string 'type'", "invalid_event", "type")
+        exc.event_id = envelope.event_id
+        raise exc
+
+
+def _envelope(data: bytes | str) -> _Envelope:
+    """The type and event id of a message that failed to decode, where they can be read."""
+    try:
+        return msgspec.json.decode(data, type=_Envelope)
+    except (msgspec.MsgspecError, RecursionError):
+        return _Envelope()
