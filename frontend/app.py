@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -16,10 +17,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine.config import EngineConfig
+from frontend.admission import Admission
 from frontend.engine_client import EngineClient
 from frontend.generation import GenerationService
-from frontend.limits import (ConcurrencyLimiter, bearer_token, key_from_subprotocols, key_matches,
-                             origin_allowed)
+from frontend.host_guard import HostGuard
+from frontend.limits import bearer_token, cache_salt, key_accepted, key_from_subprotocols, origin_allowed
 from frontend.metrics import Metrics
 from frontend.openai_http import ChatCompletions, error_response
 from frontend.realtime import RealtimeSession
@@ -36,16 +38,17 @@ class AppState:
     engine_config: EngineConfig
     client: EngineClient
     metrics: Metrics
-    limiter: ConcurrencyLimiter
+    admission: Admission
     model_name: str = ""
     started: int = 0
     generation: GenerationService | None = None
+    realtime_sessions: int = 0
 
 
 def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
     state = AppState(config, engine_config,
                      EngineClient(engine_config, max_restarts=config.max_worker_restarts, on_fatal=on_fatal),
-                     Metrics(), ConcurrencyLimiter(config.max_concurrent_requests))
+                     Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
 
     @contextlib.asynccontextmanager
@@ -53,15 +56,21 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         from workers.model_loader import load_tokenizer, resolve_model_path
 
         # Resolving here converts the embedded default model once, before any worker needs it.
+        logger.info("preparing the model (the embedded default is converted once, ~40 s, on first use)")
         path = resolve_model_path(engine_config.model)
         state.model_name = path.name
         state.started = int(time.time())
         tokenizer = load_tokenizer(path)
+        logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
         await state.client.start()
         max_model_len = state.client.ready["decoder"].max_model_len
-        state.generation = GenerationService(state.client, tokenizer, max_model_len, config.max_prompt_tokens,
-                                             state.metrics)
-        logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
+                                             config.max_prompt_tokens, state.metrics)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
+                    "http://%s:%d/v1/chat/completions", state.model_name, host, config.port, host, config.port,
+                    host, config.port)
         try:
             yield
         finally:
@@ -73,12 +82,23 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         return JSONResponse({"status": "unhealthy", "reason": state.client.status}, status_code=503)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy),
+        gauges = [
+            ("antiphon_request_slots_held", "Admitted requests (running or queued) holding a slot.",
+             state.admission.held),
+            ("antiphon_request_slots_total", "Requests the server admits at once (max_num_seqs + max_waiting_requests).",
+             state.admission.capacity),
+            ("antiphon_engine_requests_registered", "Requests whose outputs the engine client routes now.",
+             len(state.client.queues)),
+            ("antiphon_realtime_sessions", "Open Realtime WebSocket sessions.", state.realtime_sessions),
+        ]
+        counters = [("antiphon_requests_refused_total", "Requests refused with 429 (server full).",
+                     state.admission.refused)]
+        return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters),
                                  media_type="text/plain; version=0.0.4")
 
     def authorized(handler):
         async def wrapped(request: Request) -> Response:
-            if not key_matches(config, bearer_token(request.headers.get("authorization"))):
+            if not key_accepted(config, bearer_token(request.headers.get("authorization"))):
                 return error_response(401, "missing or wrong API key", "invalid_api_key",
                                       error_type="authentication_error")
             return await handler(request)
@@ -90,8 +110,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         # Browsers refuse a handshake that selects none of the subprotocols they offered.
         chosen = "realtime" if "realtime" in offered else (offered[0] if offered else None)
         await websocket.accept(subprotocol=chosen)
-        session = RealtimeSession(websocket, state)
-        if not key_matches(config, presented):
+        session = RealtimeSession(websocket, state, cache_salt(config, presented))
+        if not key_accepted(config, presented):
             await session.send_error("missing or wrong API key", "invalid_api_key")
             await websocket.close(code=1008, reason="invalid api key")
             return
@@ -99,7 +119,16 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             await session.send_error("this Origin is not allowed", "origin_not_allowed")
             await websocket.close(code=1008, reason="origin not allowed")
             return
-        await session.run()
+        if state.realtime_sessions >= config.max_connections:
+            await session.send_error(f"the server holds its limit of {config.max_connections} connections; "
+                                     "retry later", "too_many_connections")
+            await websocket.close(code=1013, reason="try again later")
+            return
+        state.realtime_sessions += 1
+        try:
+            await session.run()
+        finally:
+            state.realtime_sessions -= 1
 
     routes = [
         Route("/health", health),
@@ -109,4 +138,4 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         WebSocketRoute("/v1/realtime", realtime),
         Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HostGuard, config=config)])

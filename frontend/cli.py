@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve":
+        # A server says where it listens and what it is doing while it starts.
+        logging.getLogger("antiphon").setLevel(logging.INFO)
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
@@ -66,15 +69,29 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=os.environ.get("ANTIPHON_API_KEY"),
-                       help="require this key (default: $ANTIPHON_API_KEY, or none)")
+    group.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                       help="require this key (repeatable: one per tenant; default: $ANTIPHON_API_KEY, "
+                            "comma-separated, or none)")
+    group.add_argument("--cache-salt-per-key", action="store_true",
+                       help="give each API key its own prefix-cache salt: tenants never share KV blocks")
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="browser Origin allowed on the WebSocket besides the server's own (repeatable; * = any)")
+    group.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
+                       help="Host header served (repeatable; * = any; default: loopback names when bound to "
+                            "loopback, else any)")
     group.add_argument("--max-message-bytes", type=int, default=1 << 20)
     group.add_argument("--max-prompt-tokens", type=int, default=8192)
     group.add_argument("--default-max-tokens", type=int, default=1024)
-    group.add_argument("--max-concurrent-requests", type=int, default=256)
+    group.add_argument("--max-waiting-requests", type=int, default=4096,
+                       help="requests queued beyond the decoder's --max-num-seqs before 429")
     group.add_argument("--max-concurrent-per-connection", type=int, default=4)
+    group.add_argument("--max-connections", type=int, default=4096, help="open HTTP + WebSocket connections")
+    group.add_argument("--max-conversation-items", type=int, default=512)
+    group.add_argument("--max-events-per-second", type=float, default=200.0,
+                       help="Realtime client events per connection (bursts of twice that)")
+    group.add_argument("--max-stop-strings", type=int, default=8)
+    group.add_argument("--header-timeout", type=float, default=10.0, dest="header_timeout_s")
+    group.add_argument("--body-timeout", type=float, default=30.0, dest="body_timeout_s")
     group.add_argument("--idle-timeout", type=float, default=600.0, dest="idle_timeout_s")
     group.add_argument("--max-worker-restarts", type=int, default=3)
     group.add_argument("--ws-compression", action="store_true",
@@ -87,6 +104,7 @@ def _serve(args) -> int:
 
     from engine.config import EngineConfig
     from frontend.app import build_app
+    from frontend.http_timeouts import protocol_with_header_timeout
     from frontend.server_config import ServerConfig
 
     try:
@@ -97,10 +115,15 @@ def _serve(args) -> int:
             max_model_len=args.max_model_len,
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         server_config = ServerConfig(
-            host=args.host, port=args.port, api_key=args.api_key, allowed_origins=args.allowed_origins,
-            max_message_bytes=args.max_message_bytes, max_prompt_tokens=args.max_prompt_tokens,
-            default_max_tokens=args.default_max_tokens, max_concurrent_requests=args.max_concurrent_requests,
-            max_concurrent_per_connection=args.max_concurrent_per_connection, idle_timeout_s=args.idle_timeout_s,
+            host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),
+            cache_salt_per_key=args.cache_salt_per_key, allowed_origins=args.allowed_origins,
+            allowed_hosts=args.allowed_hosts, max_message_bytes=args.max_message_bytes,
+            max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
+            max_waiting_requests=args.max_waiting_requests,
+            max_concurrent_per_connection=args.max_concurrent_per_connection, max_connections=args.max_connections,
+            max_conversation_items=args.max_conversation_items, max_events_per_second=args.max_events_per_second,
+            max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
             max_worker_restarts=args.max_worker_restarts)
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)
@@ -114,7 +137,10 @@ def _serve(args) -> int:
     app = build_app(server_config, engine_config, on_fatal=on_fatal)
     # The transport's own cap sits above ours, so a merely oversized message gets an error
     # event (and the connection lives on) instead of a hard close.
+    _raise_open_files_limit(server_config.max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, ws="websockets-sansio",
+                                           http=protocol_with_header_timeout(server_config.header_timeout_s),
+                                           limit_concurrency=server_config.max_connections,
                                            ws_per_message_deflate=args.ws_compression,
                                            ws_max_size=4 * server_config.max_message_bytes,
                                            log_level="info" if args.verbose else "warning"))
@@ -128,6 +154,27 @@ def _serve(args) -> int:
         print("antiphon: the server stopped because a worker failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _api_keys(given: list[str] | None) -> list[str]:
+    if given:
+        return given
+    from_env = os.environ.get("ANTIPHON_API_KEY", "")
+    return [key.strip() for key in from_env.split(",") if key.strip()]
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor; the soft limit is often 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + 256  # worker sockets, log files, the model's files
+    if soft < wanted:
+        new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+        if new_soft < wanted:
+            logging.getLogger("antiphon").warning(
+                "open-files limit %d is below --max-connections %d + 256", new_soft, max_connections)
 
 
 def _generate(args) -> int:

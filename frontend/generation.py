@@ -1,13 +1,13 @@
 """Turns conversations into engine requests and engine deltas into text, for every protocol.
 
-Tokenization and chat templating run off the event loop. Each stream detokenizes
-incrementally, ends on a stop string (aborting the engine request), and aborts the
-request if the consumer goes away (a cancelled response or a dropped connection).
+A request is admitted first (a `RequestLease`), then templated and tokenized off the event
+loop, then streamed: each stream detokenizes incrementally, ends on a stop string, and
+releases its lease (aborting the engine request) however it ends, including when the
+consumer goes away (a cancelled response or a dropped connection).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import uuid
@@ -20,17 +20,10 @@ import msgspec
 from engine import protocol
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from frontend.admission import Admission, RequestLease
+from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
-
-
-class RequestRejected(ValueError):
-    """The request is invalid; `code` names the problem for protocol errors."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 @dataclass
@@ -49,26 +42,25 @@ class TextChunk:
 
 
 class GenerationService:
-    def __init__(self, client: EngineClient, tokenizer, max_model_len: int, max_prompt_tokens: int,
-                 metrics: Metrics) -> None:
+    def __init__(self, client: EngineClient, admission: Admission, tokenizer, eos_token_ids: list[int],
+                 max_model_len: int, max_prompt_tokens: int, metrics: Metrics) -> None:
         self.client = client
+        self.admission = admission
         self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_prompt_tokens = min(max_prompt_tokens, max_model_len - 1)
         self.metrics = metrics
-        self.vocab_size = len(tokenizer)
-        self.eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self._ids = itertools.count()
 
+    def admit(self, request_id: str) -> RequestLease:
+        """Claim a slot for a new request before any work is done for it (raises AdmissionRefused)."""
+        return self.admission.admit(self.client, request_id)
+
     async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Apply the chat template in a worker thread; rejects malformed conversations."""
+        """Apply the chat template in a worker thread. `messages`: role and text content, already checked."""
         if not messages:
-            raise RequestRejected("the conversation is empty", "empty_conversation", "messages")
-        for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
-                    or message.get("role") not in ("system", "user", "assistant", "developer"):
-                raise RequestRejected("each message needs a role (system, user, assistant) and text content",
-                                      "invalid_message", "messages")
+            raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
         token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
         self.check_prompt(token_ids)
         return token_ids
@@ -81,18 +73,18 @@ class GenerationService:
 
     def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise RequestRejected("the prompt is empty", "empty_prompt", "messages")
+            raise InvalidInput("the prompt is empty", "empty_prompt", "messages")
         if len(token_ids) > self.max_prompt_tokens:
-            raise RequestRejected(
+            raise InvalidInput(
                 f"the prompt is {len(token_ids)} tokens; the limit is {self.max_prompt_tokens}",
                 "prompt_too_long", "messages")
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
 
-    async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+    async def stream(self, lease: RequestLease, token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
-        request_id = request_id or self.new_request_id()
+        request_id = lease.request_id
         max_output = self.max_model_len - len(token_ids)
         if params.max_tokens > max_output:
             params = msgspec.structs.replace(params, max_tokens=max_output)
@@ -120,7 +112,6 @@ class GenerationService:
                 matched = detok.add_tokens(delta.new_token_ids)
                 if matched is not None:
                     finish, stop_reason = "stop", matched
-                    await self.client.abort([request_id])
                 if finish is not None:
                     finished = True
                     detok.flush()
@@ -128,13 +119,17 @@ class GenerationService:
                                   len(token_ids), num_output, cached, delta.logprobs or [])
                 if finished:
                     self.metrics.request_finished(finish, len(token_ids), num_output, cached)
+                    # Before the last yield: a stop string ends the engine request now, not
+                    # when the consumer next pulls.
+                    lease.release()
                     yield chunk
                     return
                 if chunk.text or chunk.token_ids:
                     yield chunk
         finally:
             if not finished:
-                # The consumer stopped early (cancel, disconnect): free the KV blocks now.
+                # The consumer stopped early (cancel, disconnect).
                 self.metrics.request_finished("abort", len(token_ids), num_output, cached)
-                await asyncio.shield(self.client.abort([request_id]))
+            # Aborts the engine request (freeing its KV blocks) unless it finished there.
+            lease.release()
 

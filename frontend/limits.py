@@ -1,8 +1,11 @@
-"""Admission limits shared by every protocol: API key, origin, concurrency."""
+"""Who may talk to the server: API keys, Host and Origin checks, per-connection event rates."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
+from urllib.parse import urlsplit
 
 from frontend.server_config import ServerConfig
 
@@ -15,27 +18,25 @@ class LimitExceeded(Exception):
         self.code = code
 
 
-class ConcurrencyLimiter:
-    """Counts streaming requests server-wide; per-connection counts live with the connection."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    def acquire(self) -> None:
-        if self.active >= self.limit:
-            raise LimitExceeded(f"the server is at its limit of {self.limit} concurrent requests; retry later",
-                                "too_many_requests")
-        self.active += 1
-
-    def release(self) -> None:
-        self.active -= 1
+def matching_key(config: ServerConfig, presented: str | None) -> str | None:
+    """The configured key the client presented, or None. Compares in constant time."""
+    if presented is None:
+        return None
+    found = None
+    for key in config.api_keys:
+        if hmac.compare_digest(presented.encode(), key.encode()):
+            found = key
+    return found
 
 
-def key_matches(config: ServerConfig, presented: str | None) -> bool:
-    if config.api_key is None:
-        return True
-    return presented is not None and hmac.compare_digest(presented.encode(), config.api_key.encode())
+def key_accepted(config: ServerConfig, presented: str | None) -> bool:
+    return not config.api_keys or matching_key(config, presented) is not None
+
+
+def cache_salt(config: ServerConfig, presented: str | None) -> str | None:
+    """Each tenant's own prefix-cache salt (with --cache-salt-per-key); never the key itself."""
+    key = matching_key(config, presented) if config.cache_salt_per_key else None
+    return None if key is None else hashlib.sha256(b"antiphon-cache-salt\0" + key.encode()).hexdigest()[:32]
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -51,11 +52,47 @@ def key_from_subprotocols(subprotocols: list[str]) -> str | None:
     return None
 
 
+def host_name(host_header: str | None) -> str | None:
+    """'Example.com:8000' -> 'example.com'; '[::1]:8000' -> '::1'."""
+    if not host_header:
+        return None
+    try:
+        return urlsplit(f"//{host_header}").hostname
+    except ValueError:
+        return None
+
+
+def host_allowed(config: ServerConfig, host_header: str | None) -> bool:
+    served = config.served_hosts()
+    return served is None or host_name(host_header) in served
+
+
 def origin_allowed(config: ServerConfig, origin: str | None, host_header: str | None) -> bool:
-    """Browsers always send Origin; other clients usually do not, and are not subject to it."""
-    if origin is None or "*" in config.allowed_origins:
+    """Browsers always send Origin; other clients usually do not, and are not subject to it.
+
+    The server's own page is allowed: its Origin names the Host the request came to, and
+    that Host has already passed the Host allowlist, so a rebound DNS name does not pass.
+    """
+    if origin is None or "*" in config.allowed_origins or origin in config.allowed_origins:
         return True
-    if origin in config.allowed_origins:
+    return host_header is not None and host_allowed(config, host_header) and \
+        origin in (f"http://{host_header}", f"https://{host_header}")
+
+
+class EventRate:
+    """Token bucket over one connection's messages: `rate` per second, bursts up to 2x."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.capacity = 2 * rate
+        self.tokens = self.capacity
+        self.updated = time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
         return True
-    # The page the server itself serves.
-    return host_header is not None and origin in (f"http://{host_header}", f"https://{host_header}")

@@ -61,7 +61,9 @@ class Metrics:
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
-    def render(self, stats: EngineStatsSnapshot, healthy: bool) -> str:
+    def render(self, stats: EngineStatsSnapshot, healthy: bool, server_gauges: list[tuple[str, str, float]] = (),
+               server_counters: list[tuple[str, str, float]] = ()) -> str:
+        """`server_gauges` / `server_counters`: (name, help, value) owned by the server, not the engine."""
         lines = [
             "# HELP antiphon_requests_total Finished requests by finish reason.",
             "# TYPE antiphon_requests_total counter",
@@ -74,6 +76,7 @@ class Metrics:
             ("antiphon_kv_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
             ("antiphon_kv_blocks_total", "KV cache blocks in the pool.", stats.kv_blocks_total),
             ("antiphon_healthy", "1 when every worker is up.", int(healthy)),
+            *server_gauges,
         ]
         counters = [
             ("antiphon_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
@@ -83,6 +86,7 @@ class Metrics:
             ("antiphon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
              stats.prefix_cache_hit_tokens),
             ("antiphon_preemptions_total", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+            *server_counters,
         ]
         for name, help_text, value in gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]

@@ -1,50 +1,64 @@
-"""OpenAI-compatible HTTP: /v1/chat/completions (plain and SSE), /v1/models."""
+"""OpenAI-compatible HTTP: /v1/chat/completions (plain and SSE), /v1/models.
+
+Order of work for a request: read the body (size and time bounded), decode it into a
+typed struct, admit it (a lease on a slot, or 429), and only then template and generate.
+The lease is released however the request ends: normal end, error, a client that
+disconnects mid-stream, or a client that disconnects while a plain answer is generated.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.sampling_params import SamplingParams
+from frontend.admission import AdmissionRefused, RequestLease
+from frontend.chat_request import ChatCompletionRequest
+from frontend.edge_decoding import InvalidInput, decode_json
 from frontend.engine_client import EngineUnavailable
-from frontend.generation import RequestRejected, TextChunk
-from frontend.limits import LimitExceeded
+from frontend.generation import TextChunk
+from frontend.limits import bearer_token, cache_salt
+
+
+class BodyTooLarge(Exception):
+    pass
 
 
 def error_response(status: int, message: str, code: str, param: str | None = None,
-                   error_type: str = "invalid_request_error") -> JSONResponse:
+                   error_type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
-def sampling_from_openai(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI request fields -> SamplingParams; a bad value is a RequestRejected naming the field."""
-    if body.get("n", 1) != 1:
-        raise RequestRejected("only n=1 is supported", "unsupported_parameter", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    stop = body.get("stop") or []
-    fields = {
-        "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0),
-        "top_k": body.get("top_k", 0),
-        "min_p": body.get("min_p", 0.0),
-        "seed": body.get("seed"),
-        "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-        "stop": [stop] if isinstance(stop, str) else stop,
-        "presence_penalty": body.get("presence_penalty", 0.0),
-        "frequency_penalty": body.get("frequency_penalty", 0.0),
-        "repetition_penalty": body.get("repetition_penalty", 1.0),
-        "ignore_eos": body.get("ignore_eos", False),
-        "logprobs": body.get("top_logprobs", 0) if body.get("logprobs") else None,
-    }
-    try:
-        return SamplingParams(**fields)
-    except (ValueError, TypeError) as exc:
-        param = next((name for name in fields if name in str(exc)), None)
-        raise RequestRejected(str(exc), "invalid_value", param) from None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it is known to be over `limit` bytes (before reading it all)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class LeasedStreamingResponse(StreamingResponse):
+    """Releases the request's lease when the response ends, even if its body never started."""
+
+    def __init__(self, lease: RequestLease, content, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.lease = lease
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.lease.release()
 
 
 class ChatCompletions:
@@ -56,54 +70,75 @@ class ChatCompletions:
             {"id": self.state.model_name, "object": "model", "created": self.state.started, "owned_by": "antiphon"}]})
 
     async def create(self, request: Request) -> Response:
-        state = self.state
-        body_bytes = await request.body()
-        if len(body_bytes) > state.config.max_message_bytes:
-            return error_response(413, f"request body over {state.config.max_message_bytes} bytes",
-                                  "request_too_large")
+        state, config = self.state, self.state.config
         try:
-            body = json.loads(body_bytes)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"malformed JSON: {exc}", "invalid_json")
-        if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object", "invalid_json")
+            async with asyncio.timeout(config.body_timeout_s):
+                body_bytes = await read_body(request, config.max_message_bytes)
+        except BodyTooLarge:
+            return error_response(413, f"request body over {config.max_message_bytes} bytes", "request_too_large")
+        except TimeoutError:
+            return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s",
+                                  "request_timeout")
+        except ClientDisconnect:
+            return Response(status_code=400)
         try:
-            params = sampling_from_openai(body, state.config.default_max_tokens)
-            prompt = await state.generation.chat_prompt(body.get("messages"))
-            state.limiter.acquire()
-        except RequestRejected as exc:
+            body = decode_json(body_bytes, ChatCompletionRequest, "request body")
+            params = body.sampling_params(config.default_max_tokens, config.max_stop_strings)
+            messages = body.conversation()
+        except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
-        except LimitExceeded as exc:
-            return error_response(429, str(exc), exc.code, error_type="rate_limit_error")
-        request_id = state.generation.new_request_id("chatcmpl")
         try:
-            stream = state.generation.stream(prompt, params, request_id)
+            lease = state.generation.admit(state.generation.new_request_id("chatcmpl"))
+        except AdmissionRefused as exc:
+            return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
+                                  headers={"Retry-After": str(exc.retry_after_s)})
+        salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
+        with_lease = False
+        try:
+            prompt = await state.generation.chat_prompt(messages)
+            stream = state.generation.stream(lease, prompt, params, salt)
             first = await anext(stream)
+            if body.stream:
+                include_usage = body.stream_options.include_usage if body.stream_options else True
+                with_lease = True
+                return LeasedStreamingResponse(
+                    lease, self._sse(lease.request_id, first, stream, include_usage, body.return_token_ids),
+                    media_type="text/event-stream")
+            return await self._complete_unless_disconnected(request, lease.request_id, first, stream, body)
+        except InvalidInput as exc:
+            return error_response(400, str(exc), exc.code, exc.param)
         except EngineUnavailable as exc:
-            state.limiter.release()
             return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
-        except BaseException:
-            state.limiter.release()
-            raise
-        if body.get("stream"):
-            include_usage = (body.get("stream_options") or {}).get("include_usage", True)
-            return StreamingResponse(self._sse(request_id, first, stream, include_usage,
-                                               bool(body.get("return_token_ids"))),
-                                     media_type="text/event-stream")
-        try:
-            chunks = [first] + [chunk async for chunk in stream]
         finally:
-            state.limiter.release()
+            if not with_lease:
+                lease.release()
+
+    async def _complete_unless_disconnected(self, request: Request, request_id: str, first: TextChunk, stream,
+                                            body: ChatCompletionRequest) -> Response:
+        """The whole answer; if the client goes away meanwhile, generation stops at once."""
+        collect = asyncio.ensure_future(_collect(first, stream))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+            await asyncio.gather(collect, gone, return_exceptions=True)
+            await stream.aclose()
+        if collect.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        chunks = collect.result()
         last = chunks[-1]
         if last.finish_reason == "error":
             return error_response(500, last.error or "generation failed", "engine_error", error_type="server_error")
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
                   "finish_reason": last.finish_reason, "logprobs": None}
-        if body.get("return_token_ids"):  # extension, as in vLLM
+        if body.return_token_ids:  # extension, as in vLLM
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name, "choices": [choice], "usage": _usage(last),
+            "model": self.state.model_name, "choices": [choice], "usage": _usage(last),
         })
 
     async def _sse(self, request_id: str, first: TextChunk, stream, include_usage: bool, return_token_ids: bool):
@@ -141,10 +176,19 @@ class ChatCompletions:
             out.append("data: [DONE]\n\n")
             yield "".join(out)
         finally:
-            # Runs on normal end and when the client disconnects: the stream's own cleanup
-            # aborts the engine request and frees its blocks.
+            # Runs on normal end and when the client disconnects; the stream's own cleanup
+            # releases the lease (the response releases it too, in case this never ran).
             await stream.aclose()
-            self.state.limiter.release()
+
+
+async def _collect(first: TextChunk, stream) -> list[TextChunk]:
+    return [first] + [chunk async for chunk in stream]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server gets is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(chunk: TextChunk) -> dict:

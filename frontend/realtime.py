@@ -1,15 +1,19 @@
 """One Realtime API WebSocket connection: OpenAI Realtime events over a kept conversation.
 
-Client events: session.update, conversation.item.create, response.create, response.cancel
-(GA names; beta field names such as max_response_output_tokens and "text" content parts are
-accepted too). Server events: session.created/updated, conversation.item.added,
+Client events: session.update, conversation.item.create / .delete / .retrieve / .truncate,
+response.create, response.cancel (GA names; beta field names such as
+max_response_output_tokens and "text" content parts are accepted too), each decoded into a
+typed struct at the socket. Server events: session.created/updated, conversation.item.added
+/ .deleted / .retrieved,
 response.created, response.output_item.added, response.content_part.added,
 response.output_text.delta/done, response.content_part.done, response.output_item.done,
 response.done (with usage and cached-token counts) and error.
 
 A response bound to the conversation (the default) appends its answer to the history; only
 one runs at a time. Responses with "conversation": "none" run beside it on their own input.
-Any bad event gets an `error` event with a code and the connection carries on.
+Any bad event gets an `error` event with a code and the connection carries on. The
+conversation holds at most max_conversation_items items, and a connection may send at most
+max_events_per_second events (bursts of twice that).
 """
 
 from __future__ import annotations
@@ -21,43 +25,43 @@ import logging
 import time
 import uuid
 
+import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.sampling_params import SamplingParams
+from frontend.admission import AdmissionRefused, RequestLease
+from frontend.chat_request import sampling_params_or_invalid
+from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
-from frontend.generation import RequestRejected
-from frontend.limits import LimitExceeded
+from frontend.limits import EventRate
+from frontend.realtime_events import (ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, MessageItem,
+                                      ResponseCancel, ResponseCreate, SessionSettings, SessionUpdate,
+                                      decode_client_event)
 
 logger = logging.getLogger("antiphon.realtime")
-
-TEXT_PART_TYPES = {"input_text", "text", "output_text"}
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-class ClientError(Exception):
-    def __init__(self, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
 class RealtimeSession:
-    def __init__(self, websocket: WebSocket, state) -> None:
+    def __init__(self, websocket: WebSocket, state, cache_salt: str | None = None) -> None:
         self.ws = websocket
         self.state = state
         self.config = state.config
+        self.cache_salt = cache_salt
         self.session = {
             "id": new_id("sess"), "object": "realtime.session", "type": "realtime", "model": state.model_name,
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
             "temperature": 0.8, "top_p": 1.0, "seed": None,
         }
-        self.items: list[dict] = []
+        # The conversation, in order, by item id.
+        self.items: dict[str, dict] = {}
         self.responses: dict[str, asyncio.Task] = {}
         self.conversation_response: str | None = None
         self.last_activity = time.monotonic()
+        self.rate = EventRate(self.config.max_events_per_second)
         self.send_lock = asyncio.Lock()
         # Event ids go out with every token: the session's random id plus a counter is as
         # unique as a fresh uuid4 per event, without a urandom call on the hot path.
@@ -76,7 +80,7 @@ class RealtimeSession:
                 self.last_activity = time.monotonic()
                 data = message.get("text")
                 if data is None:
-                    data = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+                    data = message.get("bytes") or b""
                 await self._handle_raw(data)
         except WebSocketDisconnect:
             pass
@@ -97,103 +101,146 @@ class RealtimeSession:
                 await self.ws.close(code=1000, reason="idle timeout")
                 return
 
-    async def _handle_raw(self, data: str) -> None:
-        if len(data.encode("utf-8")) > self.config.max_message_bytes:
+    async def _handle_raw(self, data: str | bytes) -> None:
+        if not self.rate.allow():
+            await self.send_error(f"more than {self.config.max_events_per_second:g} events per second; "
+                                  "this one was dropped", "rate_limit_exceeded")
+            return
+        size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", errors="surrogatepass"))
+        if size > self.config.max_message_bytes:
             await self.send_error(f"message over {self.config.max_message_bytes} bytes", "message_too_large")
             return
+        event = None
         try:
-            event = json.loads(data)
-        except json.JSONDecodeError as exc:
-            await self.send_error(f"malformed JSON: {exc}", "invalid_json")
-            return
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            await self.send_error("an event is a JSON object with a string 'type'", "invalid_event", "type")
-            return
-        handler = self.handlers.get(event["type"])
-        try:
-            if handler is None:
-                raise ClientError(f"unknown event type {event['type']!r}", "unknown_event_type", "type")
-            await handler(self, event)
-        except ClientError as exc:
-            await self.send_error(str(exc), exc.code, exc.param, event.get("event_id"))
+            event = decode_client_event(data)
+            await self.handlers[type(event)](self, event)
+        except InvalidInput as exc:
+            event_id = event.event_id if event is not None else getattr(exc, "event_id", None)
+            await self.send_error(str(exc), exc.code, exc.param, event_id)
+        except Exception:
+            # A bug of ours must not take the connection (and its other responses) down.
+            logger.exception("realtime event failed")
+            await self.send_error("the server failed to handle this event", "server_error", None,
+                                  event.event_id if event is not None else None)
 
     # ---- client events ----------------------------------------------------------------------
 
-    async def on_session_update(self, event: dict) -> None:
-        update = _object(event, "session")
-        if "max_response_output_tokens" in update:  # beta name
-            update["max_output_tokens"] = update.pop("max_response_output_tokens")
-        if "modalities" in update:  # beta name
-            update["output_modalities"] = update.pop("modalities")
-        modalities = update.get("output_modalities", ["text"])
-        if not isinstance(modalities, list) or any(m not in ("text", "audio") for m in modalities):
-            raise ClientError("output_modalities must be a list of 'text' or 'audio'", "invalid_value",
-                              "session.output_modalities")
-        if "audio" in modalities:
-            raise ClientError("audio output is not available on this server yet", "unsupported_modality",
-                              "session.output_modalities")
-        candidate = {**self.session, **{k: v for k, v in update.items() if k in self.session and k != "id"}}
+    async def on_session_update(self, event: SessionUpdate) -> None:
+        update = _settings(event.session)
+        if "audio" in update.get("output_modalities", ()):
+            raise InvalidInput("audio output is not available on this server yet", "unsupported_modality",
+                               "session.output_modalities")
+        candidate = {**self.session, **update}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
         self.session = candidate
         await self.send({"type": "session.updated", "session": self.session})
 
-    async def on_item_create(self, event: dict) -> None:
-        item = _message_item(_object(event, "item"))
-        self.items.append(item)
-        await self.send({"type": "conversation.item.added", "previous_item_id": None, "item": item})
+    async def on_item_create(self, event: ItemCreate) -> None:
+        if len(self.items) >= self.config.max_conversation_items:
+            raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
+                               "delete some with conversation.item.delete", "conversation_full", "item")
+        item = _message_item(event.item)
+        if item["id"] in self.items:
+            raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
+        previous = event.previous_item_id
+        if previous is not None and previous != "root" and previous not in self.items:
+            raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
+        self.items = _insert_after(self.items, item, previous)
+        await self.send({"type": "conversation.item.added", "previous_item_id": _previous_id(self.items, item["id"]),
+                         "item": item})
 
-    async def on_response_create(self, event: dict) -> None:
-        options = event.get("response") or {}
-        if not isinstance(options, dict):
-            raise ClientError("response must be an object", "invalid_value", "response")
-        out_of_band = options.get("conversation") == "none"
+    async def on_item_delete(self, event: ItemDelete) -> None:
+        if self.items.pop(event.item_id, None) is None:
+            raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        await self.send({"type": "conversation.item.deleted", "item_id": event.item_id})
+
+    async def on_item_retrieve(self, event: ItemRetrieve) -> None:
+        item = self.items.get(event.item_id)
+        if item is None:
+            raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        await self.send({"type": "conversation.item.retrieved", "item": item})
+
+    async def on_item_truncate(self, event: ItemTruncate) -> None:
+        item = self.items.get(event.item_id)
+        if item is None:
+            raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        # Truncation cuts an assistant item's audio at what the user heard; text items
+        # have no audio to cut.
+        raise InvalidInput("only audio content can be truncated, and this item has none", "invalid_value",
+                           "content_index")
+
+    async def on_response_create(self, event: ResponseCreate) -> None:
+        options = event.response
+        out_of_band = options.conversation == "none"
         if not out_of_band and self.conversation_response is not None:
-            raise ClientError("the conversation already has an active response; cancel it or wait",
-                              "conversation_already_has_active_response")
+            raise InvalidInput("the conversation already has an active response; cancel it or wait",
+                               "conversation_already_has_active_response")
         if len(self.responses) >= self.config.max_concurrent_per_connection:
-            raise ClientError(f"at most {self.config.max_concurrent_per_connection} responses at once "
-                              "on one connection", "too_many_responses")
-        if out_of_band and "input" in options:
-            items = [_message_item(i) for i in options["input"]]
+            raise InvalidInput(f"at most {self.config.max_concurrent_per_connection} responses at once "
+                               "on one connection", "too_many_responses")
+        overrides = _settings(options)
+        if "audio" in overrides.get("output_modalities", ()):
+            raise InvalidInput("audio output is not available on this server yet", "unsupported_modality",
+                               "response.output_modalities")
+        if out_of_band and options.input is not msgspec.UNSET:
+            items = [_message_item(i) for i in options.input]
         else:
-            items = list(self.items)
-        params = _sampling(self.session, options, self.config.default_max_tokens)
-        instructions = options.get("instructions", self.session["instructions"])
+            items = list(self.items.values())
+        params = _sampling(self.session, overrides, self.config.default_max_tokens)
+        instructions = overrides.get("instructions", self.session["instructions"])
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += [{"role": i["role"], "content": _item_text(i)} for i in items]
         try:
+            lease = self.state.generation.admit(new_id("resp"))
+        except AdmissionRefused as exc:
+            raise InvalidInput(str(exc), exc.code) from None
+        try:
+            # Templated only once admitted: a flood of requests costs no template work.
             prompt = await self.state.generation.chat_prompt(messages)
-            self.state.limiter.acquire()
-        except RequestRejected as exc:
-            raise ClientError(str(exc), exc.code, exc.param) from None
-        except LimitExceeded as exc:
-            raise ClientError(str(exc), exc.code) from None
-        response_id = new_id("resp")
+        except BaseException:
+            lease.release()
+            raise
+        response_id = lease.request_id
+        task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id))
+        # Bookkeeping that must happen however the task ends, even if it is cancelled
+        # before it starts (a response.cancel right behind the response.create).
+        lease.bind(task)
+        task.add_done_callback(lambda _: self._forget_response(response_id))
+        self.responses[response_id] = task
         if not out_of_band:
             self.conversation_response = response_id
-        self.responses[response_id] = asyncio.create_task(
-            self._respond(response_id, prompt, params, not out_of_band, event.get("event_id")))
+        # Let the task start (and enter its try block) before the next client event is read.
+        await asyncio.sleep(0)
 
-    async def on_response_cancel(self, event: dict) -> None:
-        response_id = event.get("response_id") or self.conversation_response
+    def _forget_response(self, response_id: str) -> None:
+        self.responses.pop(response_id, None)
+        if self.conversation_response == response_id:
+            self.conversation_response = None
+
+    async def on_response_cancel(self, event: ResponseCancel) -> None:
+        response_id = event.response_id or self.conversation_response
         task = self.responses.get(response_id) if response_id else None
         if task is None:
-            raise ClientError("there is no active response to cancel", "response_cancel_not_active",
-                              "response_id")
+            raise InvalidInput("there is no active response to cancel", "response_cancel_not_active",
+                               "response_id")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
     handlers = {
-        "session.update": on_session_update,
-        "conversation.item.create": on_item_create,
-        "response.create": on_response_create,
-        "response.cancel": on_response_cancel,
+        SessionUpdate: on_session_update,
+        ItemCreate: on_item_create,
+        ItemDelete: on_item_delete,
+        ItemRetrieve: on_item_retrieve,
+        ItemTruncate: on_item_truncate,
+        ResponseCreate: on_response_create,
+        ResponseCancel: on_response_cancel,
     }
 
     # ---- one response ---------------------------------------------------------------------
 
-    async def _respond(self, response_id: str, prompt: list[int], params: SamplingParams,
+    async def _respond(self, lease: RequestLease, prompt: list[int], params: SamplingParams,
                        in_conversation: bool, client_event_id: str | None) -> None:
+        response_id = lease.request_id
         item = {"id": new_id("item"), "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress",
@@ -201,7 +248,7 @@ class RealtimeSession:
                     "conversation_id": self.session["id"] if in_conversation else None}
         where = {"response_id": response_id, "item_id": item["id"], "output_index": 0, "content_index": 0}
         text, last = "", None
-        stream = self.state.generation.stream(prompt, params, response_id)
+        stream = self.state.generation.stream(lease, prompt, params, self.cache_salt)
         # Submit the engine request first and announce the response while the prefill runs:
         # the three events below are not on the way to the first token. Sending them does not
         # yield to the loop, so without this sleep(0) the task would submit only after all
@@ -238,20 +285,26 @@ class RealtimeSession:
         except asyncio.CancelledError:
             response["status"] = "cancelled"
             response["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
+        except Exception as exc:
+            # Never leave a response in_progress: whatever broke, the client hears of it.
+            logger.exception("response %s failed", response_id)
+            response["status"] = "failed"
+            response["status_details"] = {"type": "failed", "error": {"type": "server_error",
+                                                                       "code": "server_error",
+                                                                       "message": str(exc)}}
+            await self.send_error("the response failed on the server", "server_error", None, client_event_id)
         finally:
             # Cancelled before the first chunk: stop the pending step, whose cleanup aborts the
             # engine request; then close the stream (a no-op if it already ended).
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()
-            self.state.limiter.release()
-            self.responses.pop(response_id, None)
-            if self.conversation_response == response_id:
-                self.conversation_response = None
+            lease.release()
+            self._forget_response(response_id)
             item["status"] = "completed" if response["status"] == "completed" else "incomplete"
             item["content"] = [{"type": "output_text", "text": text}]
-            if in_conversation and text:
-                self.items.append(item)
+            if in_conversation and text and len(self.items) < self.config.max_conversation_items:
+                self.items[item["id"]] = item
             response["output"] = [item]
             if last is not None:
                 response["usage"] = {
@@ -287,34 +340,45 @@ class RealtimeSession:
             "code": code, "message": message, "param": param, "event_id": client_event_id}})
 
 
-def _object(event: dict, key: str) -> dict:
-    value = event.get(key)
-    if not isinstance(value, dict):
-        raise ClientError(f"'{key}' must be an object", "invalid_value", key)
-    return dict(value)
+def _settings(settings: SessionSettings) -> dict:
+    """The session fields a session.update / response.create sets, under their GA names."""
+    given = {name: getattr(settings, name) for name in settings.__struct_fields__
+             if getattr(settings, name) is not msgspec.UNSET}
+    if "max_response_output_tokens" in given:  # beta name
+        given.setdefault("max_output_tokens", given.pop("max_response_output_tokens"))
+    if "modalities" in given:  # beta name
+        given.setdefault("output_modalities", given.pop("modalities"))
+    return {name: value for name, value in given.items() if name in SESSION_FIELDS}
 
 
-def _message_item(item) -> dict:
-    if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise ClientError("only message items are supported", "unsupported_item_type", "item.type")
-    role = item.get("role")
-    if role not in ("user", "system", "assistant"):
-        raise ClientError("item.role must be user, system or assistant", "invalid_value", "item.role")
-    content = item.get("content")
-    if not isinstance(content, list) or not content:
-        raise ClientError("item.content must be a non-empty list of content parts", "invalid_value",
-                          "item.content")
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ClientError(f"content part type {kind!r} is not supported yet; send text",
-                              "unsupported_content_type", "item.content")
-        if not isinstance(part.get("text"), str):
-            raise ClientError("a text content part needs a string 'text'", "invalid_value", "item.content")
-        parts.append({"type": part["type"], "text": part["text"]})
-    return {"id": item.get("id") or new_id("item"), "object": "realtime.item", "type": "message",
-            "role": role, "status": "completed", "content": parts}
+SESSION_FIELDS = ("output_modalities", "instructions", "max_output_tokens", "temperature", "top_p", "seed")
+
+
+def _message_item(item: MessageItem) -> dict:
+    item.text()  # refuses content parts that are not text
+    parts = [{"type": part.type, "text": part.text} for part in item.content]
+    return {"id": item.id or new_id("item"), "object": "realtime.item", "type": "message",
+            "role": item.role, "status": "completed", "content": parts}
+
+
+def _insert_after(items: dict[str, dict], item: dict, previous_id: str | None) -> dict[str, dict]:
+    """Items in order with `item` after `previous_id` ("root": first; None: last)."""
+    if previous_id is None:
+        items[item["id"]] = item
+        return items
+    ordered = list(items.items())
+    at = 0 if previous_id == "root" else next(i for i, (key, _) in enumerate(ordered) if key == previous_id) + 1
+    ordered.insert(at, (item["id"], item))
+    return dict(ordered)
+
+
+def _previous_id(items: dict[str, dict], item_id: str) -> str | None:
+    previous = None
+    for key in items:
+        if key == item_id:
+            return previous
+        previous = key
+    return None
 
 
 def _item_text(item: dict) -> str:
@@ -322,14 +386,10 @@ def _item_text(item: dict) -> str:
 
 
 def _sampling(session: dict, overrides: dict, default_max_tokens: int) -> SamplingParams:
-    settings = {**session, **{k: v for k, v in overrides.items() if k in session}}
-    if "max_response_output_tokens" in overrides:
-        settings["max_output_tokens"] = overrides["max_response_output_tokens"]
+    settings = {**session, **overrides}
     max_tokens = settings["max_output_tokens"]
-    try:
-        return SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"], seed=settings["seed"],
-                              max_tokens=default_max_tokens if max_tokens == "inf" else max_tokens)
-    except ValueError as exc:
-        field = next((f for f in ("temperature", "top_p", "seed", "max_tokens") if f in str(exc)), None)
-        param = "max_output_tokens" if field == "max_tokens" else field
-        raise ClientError(str(exc), "invalid_value", f"session.{param}" if param else None) from None
+    return sampling_params_or_invalid(
+        {"temperature": settings["temperature"], "top_p": settings["top_p"], "seed": settings["seed"],
+         "max_tokens": default_max_tokens if max_tokens == "inf" else max_tokens},
+        {"temperature": "session.temperature", "top_p": "session.top_p", "seed": "session.seed",
+         "max_tokens": "session.max_output_tokens"})

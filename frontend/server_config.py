@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # None: no key needed. Otherwise HTTP wants `Authorization: Bearer KEY`; WebSockets take
+    # Empty: no key needed. Otherwise HTTP wants `Authorization: Bearer KEY`; WebSockets take
     # that header or the subprotocol `openai-insecure-api-key.KEY` (for browsers).
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
     # Browser origins allowed on the WebSocket besides the server's own; "*" allows any.
     allowed_origins: list[str] = field(default_factory=list)
     # Largest WebSocket message / HTTP body accepted, in bytes.
@@ -20,17 +22,51 @@ class ServerConfig:
     max_prompt_tokens: int = 8192
     # Output tokens when a client asks for none or for "inf".
     default_max_tokens: int = 1024
-    max_concurrent_requests: int = 256
+    # Requests admitted at once: the decoder's batch (max_num_seqs) plus this many waiting
+    # in its queue. Past that: 429 with Retry-After.
+    max_waiting_requests: int = 4096
     max_concurrent_per_connection: int = 4
+    # Open connections (HTTP and WebSocket together); past it HTTP gets 503 and a WebSocket
+    # an error event and close 1013.
+    max_connections: int = 4096
+    # Per Realtime session: items kept in the conversation (delete some to go on), and
+    # client messages per second (a burst of twice that is allowed).
+    max_conversation_items: int = 512
+    max_events_per_second: float = 200.0
+    max_stop_strings: int = 8
+    # A client has this long to send its request headers, and then its body.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Host headers served (DNS rebinding: a page on any name can resolve to 127.0.0.1).
+    # Empty: loopback names when bound to loopback, any host otherwise; "*" allows any.
+    allowed_hosts: list[str] = field(default_factory=list)
+    # With several API keys (tenants), give each its own prefix-cache salt so tenants never
+    # share KV blocks or learn from each other's cache-hit timing.
+    cache_salt_per_key: bool = False
     # A WebSocket with no message and no active response for this long is closed.
     idle_timeout_s: float = 600.0
     # The decoder is restarted this many times after crashes, then the server exits non-zero.
     max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_requests",
-                     "max_concurrent_per_connection"):
+        for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
+                     "max_connections", "max_conversation_items", "max_stop_strings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be > 0")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_events_per_second"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+
+    def served_hosts(self) -> set[str] | None:
+        """Host names the server answers to; None means any."""
+        if "*" in self.allowed_hosts:
+            return None
+        if self.allowed_hosts:
+            return {h.lower() for h in self.allowed_hosts}
+        if self.host in LOOPBACK_NAMES:
+            return set(LOOPBACK_NAMES)
+        return None
