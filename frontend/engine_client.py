@@ -1,11 +1,17 @@
 """The frontend's side of the actors: spawns the workers, talks to them over ZeroMQ.
 
 Sockets are ipc:// endpoints in a private (0700) temporary directory, so nothing is
-reachable from another host. The frontend binds; workers connect. One task reads every
-worker output and routes each request's deltas to that request's queue; another watches
-the processes. If the decoder dies, every in-flight request ends with an error, /health
-turns unhealthy, and the decoder is restarted (up to `max_restarts` times, then the
-server exits non-zero).
+reachable from another host. The frontend binds; workers connect. Three background tasks:
+one reads every worker output and routes each request's deltas to that request's queue,
+one batches aborts to the decoder, one watches that each worker still speaks. Each worker
+process also has a task waiting for its exit.
+
+A worker is lost when its process exits or when it sends nothing (no heartbeat, no step
+output) for `worker_timeout_s`; a silent one is killed. Either way every in-flight request
+ends with an error, /health turns unhealthy with the reason, and the worker is restarted,
+at most `max_restarts` times per worker in any `restart_window_s`; past that, or if a
+background task dies, the client fails for good and calls `on_fatal` (the server exits
+non-zero).
 """
 
 from __future__ import annotations
@@ -16,18 +22,22 @@ import logging
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from engine import protocol
 from engine.config import EngineConfig
+from frontend.restart_budget import RestartBudget
 
 logger = logging.getLogger("antiphon.frontend")
 
 WORKER_START_TIMEOUT_S = 600.0
+WORKERS = ("encoder", "decoder")
 
 
 class EngineUnavailable(RuntimeError):
@@ -35,88 +45,144 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, max_restarts: int = 3, on_fatal=None) -> None:
+    def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window_s: float = 600.0,
+                 worker_timeout_s: float = 30.0, on_fatal=None) -> None:
+        # An idle worker reports every HEARTBEAT_INTERVAL_S; a timeout near that would kill
+        # healthy workers for a late beat.
+        if worker_timeout_s <= 2 * protocol.HEARTBEAT_INTERVAL_S:
+            raise ValueError(f"worker_timeout_s must be more than {2 * protocol.HEARTBEAT_INTERVAL_S:g} s")
         self.config = config
-        self.max_restarts = max_restarts
+        self.worker_timeout_s = worker_timeout_s
         self.on_fatal = on_fatal
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
         self.context = zmq.asyncio.Context()
         self.addresses = {name: f"ipc://{self.run_dir}/{name}" for name in ("decoder-in", "encoder-in", "outputs")}
         self.from_workers = self.context.socket(zmq.PULL)
         self.from_workers.bind(self.addresses["outputs"])
-        self.to_decoder: zmq.asyncio.Socket | None = None
-        self.to_encoder: zmq.asyncio.Socket | None = None
+        self.to_workers: dict[str, zmq.asyncio.Socket] = {}
         self.processes: dict[str, asyncio.subprocess.Process] = {}
+        # One queue per registered request: added by add_request, removed when the request
+        # finishes, fails or is released.
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = protocol.EngineStatsSnapshot()
         self.ready: dict[str, protocol.WorkerReady] = {}
         self.status = "starting"
-        self.restarts = 0
+        self.budgets = {worker: RestartBudget(max_restarts, restart_window_s) for worker in WORKERS}
+        # For /metrics: restarts since start per worker, and AbortRequests messages sent.
+        self.restarts = {worker: 0 for worker in WORKERS}
+        self.abort_messages_sent = 0
+        # Workers that reported ready and have not been lost since.
+        self._running: set[str] = set()
+        self._last_heard = {worker: 0.0 for worker in WORKERS}
+        # Why a worker the watchdog killed is gone (its exit code alone would say "crashed").
+        self._lost_reasons: dict[str, str] = {}
+        self._failed = False
+        self._pending_aborts: list[str] = []
+        self._aborts_wanted = asyncio.Event()
         self._ready_events: dict[str, asyncio.Event] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._reader: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
+        self._exit_watchers: dict[str, asyncio.Task] = {}
         self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._read_outputs(), name="worker-outputs"))
+        self._reader = asyncio.create_task(self._read_outputs(), name="worker-outputs")
+        self._background = [self._reader,
+                            asyncio.create_task(self._send_aborts(), name="abort-sender"),
+                            asyncio.create_task(self._watch_liveness(), name="worker-watchdog")]
+        for task in self._background:
+            task.add_done_callback(self._background_task_ended)
         await asyncio.gather(self._spawn("encoder"), self._spawn("decoder"))
-        self.status = "ready"
+        if not self._failed:
+            self.status = "ready"
 
     async def _spawn(self, worker: str) -> None:
         socket = self.context.socket(zmq.PUSH)
         socket.bind(self.addresses[f"{worker}-in"])
+        self.to_workers[worker] = socket
         if worker == "decoder":
-            self.to_decoder = socket
             args = ["-m", "workers.decoder_process", "--config", json.dumps(asdict(self.config))]
         else:
-            self.to_encoder = socket
             args = ["-m", "workers.encoder_process"]
         args += ["--input", self.addresses[f"{worker}-in"], "--output", self.addresses["outputs"]]
         event = self._ready_events[worker] = asyncio.Event()
         process = await asyncio.create_subprocess_exec(sys.executable, *args)
         self.processes[worker] = process
-        waiter = asyncio.create_task(process.wait())
+        exited = asyncio.create_task(process.wait())
         ready = asyncio.create_task(event.wait())
-        done, _ = await asyncio.wait({waiter, ready}, timeout=WORKER_START_TIMEOUT_S,
+        # Without the reader nobody would see the ready message: do not wait the full timeout.
+        done, _ = await asyncio.wait({exited, ready, self._reader}, timeout=WORKER_START_TIMEOUT_S,
                                      return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
         ready.cancel()
         if ready not in done:
-            waiter.cancel()
+            if process.returncode is None:
+                process.kill()
             raise RuntimeError(f"{worker} process failed to start (exit code {process.returncode})")
-        waiter.cancel()
-        self._tasks.append(asyncio.create_task(self._watch(worker, process), name=f"watch-{worker}"))
+        self._last_heard[worker] = time.monotonic()
+        self._running.add(worker)
+        self._exit_watchers[worker] = asyncio.create_task(self._watch_exit(worker, process), name=f"watch-{worker}")
         logger.info("%s ready (pid %d)", worker, process.pid)
 
-    async def _watch(self, worker: str, process: asyncio.subprocess.Process) -> None:
+    async def _watch_exit(self, worker: str, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
         if self._closing:
             return
-        logger.error("%s process exited with code %s", worker, code)
-        self.status = f"{worker} crashed (exit code {code})"
-        self._fail_in_flight(f"the {worker} process crashed (exit code {code})")
-        socket = self.to_decoder if worker == "decoder" else self.to_encoder
-        # Messages queued for the dead process must not reach its successor.
-        socket.close(linger=0)
-        if self.restarts >= self.max_restarts:
-            logger.error("%s crashed %d times; giving up", worker, self.restarts + 1)
-            self.status = f"failed: {worker} crashed too often"
-            if self.on_fatal is not None:
-                self.on_fatal()
+        reason = self._lost_reasons.pop(worker, None) or f"the {worker} process crashed (exit code {code})"
+        self._worker_lost(worker, reason)
+        if self._failed:
             return
-        self.restarts += 1
+        budget = self.budgets[worker]
+        if not budget.try_spend():
+            self._fail(f"{reason}; it was restarted {budget.max_restarts} times within {budget.window_s:g} s")
+            return
+        self.restarts[worker] += 1
+        logger.warning("restarting the %s (restart %d)", worker, self.restarts[worker])
         try:
             await self._spawn(worker)
-            self.status = "ready"
         except Exception as exc:
-            self.status = f"failed: {exc}"
-            if self.on_fatal is not None:
-                self.on_fatal()
+            self._fail(f"the {worker} process could not be restarted: {exc}")
+            return
+        if not self._failed and self._running == set(WORKERS):
+            self.status = "ready"
+
+    def _worker_lost(self, worker: str, reason: str) -> None:
+        """Every in-flight request fails; the worker's socket closes so that messages queued
+        for the lost process never reach its successor. Once per process."""
+        if worker not in self._running:
+            return
+        self._running.discard(worker)
+        logger.error("%s", reason)
+        if not self._failed:
+            self.status = reason
+        if worker == "decoder":
+            self._pending_aborts.clear()  # the decoder that ran them is gone
+        self._fail_in_flight(reason)
+        self.to_workers[worker].close(linger=0)
+
+    def _fail(self, reason: str) -> None:
+        """The client cannot go on: unhealthy for good, and the server is told to exit."""
+        if self._failed:
+            return
+        self._failed = True
+        logger.error("engine failed: %s", reason)
+        self.status = f"failed: {reason}"
+        self._fail_in_flight(reason)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _background_task_ended(self, task: asyncio.Task) -> None:
+        if self._closing:
+            return
+        cause = "cancelled" if task.cancelled() else repr(task.exception())
+        self._fail(f"the frontend's {task.get_name()} task stopped ({cause})")
 
     async def shutdown(self) -> None:
         self._closing = True
-        for socket in (self.to_decoder, self.to_encoder):
-            if socket is not None and not socket.closed:
+        for socket in self.to_workers.values():
+            if not socket.closed:
                 try:
                     await socket.send(protocol.encode(protocol.Shutdown()), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -125,59 +191,149 @@ class EngineClient:
             try:
                 await asyncio.wait_for(process.wait(), timeout=5)
             except asyncio.TimeoutError:
-                process.kill()
+                process.kill()  # SIGKILL also ends a stopped process
                 await process.wait()
-        for task in self._tasks:
+        for task in [*self._background, *self._exit_watchers.values()]:
             task.cancel()
-        for socket in (self.to_decoder, self.to_encoder, self.from_workers):
-            if socket is not None:
-                socket.close(linger=0)
+        for socket in [*self.to_workers.values(), self.from_workers]:
+            socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
     def healthy(self) -> bool:
-        return self.status == "ready"
+        return self.status == "ready" and not self._failed
+
+    @property
+    def num_registered(self) -> int:
+        """Requests with a queue: sent to the decoder and neither finished nor released."""
+        return len(self.queues)
 
     # ---- requests ---------------------------------------------------------------------
 
     async def add_request(self, request: protocol.EngineRequest) -> asyncio.Queue:
+        # Encode before registering: a request that cannot be encoded leaves nothing behind.
+        data = protocol.encode(request)
         if not self.healthy:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
+        if request.request_id in self.queues:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
-        await self.to_decoder.send(protocol.encode(request))
+        try:
+            await self._send("decoder", data)
+        except BaseException:
+            self.release(request.request_id)
+            raise
         return queue
 
     def release(self, request_id: str) -> None:
-        """Unregister a request and abort it in the decoder unless it finished (idempotent)."""
-        if self.queues.pop(request_id, None) is not None and self.healthy:
-            asyncio.ensure_future(self.to_decoder.send(protocol.encode(protocol.AbortRequests([request_id]))))
+        """Forget a request the caller no longer reads: if it is still registered (not finished),
+        unregister it and have the decoder abort it. Synchronous and idempotent, so a
+        done-callback can call it; the abort leaves shortly after, batched with others."""
+        if self.queues.pop(request_id, None) is None:
+            return
+        if "decoder" in self._running:
+            self._pending_aborts.append(request_id)
+            self._aborts_wanted.set()
 
     async def abort(self, request_ids: list[str]) -> None:
-        live = [r for r in request_ids if self.queues.pop(r, None) is not None]
-        if live and self.healthy:
-            await self.to_decoder.send(protocol.encode(protocol.AbortRequests(live)))
+        for request_id in request_ids:
+            self.release(request_id)
 
     def _fail_in_flight(self, message: str) -> None:
-        for request_id, queue in self.queues.items():
+        for request_id, queue in list(self.queues.items()):
             queue.put_nowait(protocol.RequestDelta(request_id, [], "error", error=message))
-        self.queues.clear()
+            # A decoder still running (another worker was lost) must stop these too.
+            self.release(request_id)
+
+    async def _send(self, worker: str, data: bytes) -> None:
+        socket = self.to_workers.get(worker)
+        if worker not in self._running or socket is None or socket.closed:
+            raise EngineUnavailable(f"engine unavailable: {self.status}")
+        try:
+            await socket.send(data)
+        except asyncio.CancelledError:
+            # Closing the socket (the worker was lost) cancels a pending send; only a
+            # cancellation of this task itself goes on as one.
+            if asyncio.current_task().cancelling():
+                raise
+            raise EngineUnavailable(f"engine unavailable: {self.status}") from None
+        except zmq.ZMQError as exc:
+            raise EngineUnavailable(f"engine unavailable: {self.status}") from exc
+
+    async def _send_aborts(self) -> None:
+        while True:
+            await self._aborts_wanted.wait()
+            self._aborts_wanted.clear()
+            request_ids, self._pending_aborts = self._pending_aborts, []
+            if not request_ids:
+                continue
+            try:
+                await self._send("decoder", protocol.encode(protocol.AbortRequests(request_ids)))
+            except EngineUnavailable:
+                continue  # the decoder is gone, and with it every request it ran
+            self.abort_messages_sent += 1
+
+    # ---- worker outputs and liveness ---------------------------------------------------
 
     async def _read_outputs(self) -> None:
         while True:
-            message = protocol.decode_output(await self.from_workers.recv())
-            if isinstance(message, protocol.StepOutputs):
-                self.stats = message.stats
-                for delta in message.deltas:
-                    queue = self.queues.get(delta.request_id)
-                    if queue is None:
-                        continue  # aborted by the frontend; the decoder has been told
-                    queue.put_nowait(delta)
-                    if delta.finish_reason is not None:
-                        del self.queues[delta.request_id]
-            elif isinstance(message, protocol.WorkerReady):
+            frame = await self.from_workers.recv()
+            try:
+                message = protocol.decode_output(frame)
+            except msgspec.DecodeError as exc:
+                logger.error("skipped a worker message that does not decode (%d bytes): %s", len(frame), exc)
+                continue
+            self._route(message)
+
+    def _route(self, message: protocol.WorkerOutput) -> None:
+        if isinstance(message, protocol.StepOutputs):
+            self._heard_from("decoder")
+            self.stats = message.stats
+            for delta in message.deltas:
+                queue = self.queues.get(delta.request_id)
+                if queue is None:
+                    continue  # released by the frontend; the decoder has been told
+                queue.put_nowait(delta)
+                if delta.finish_reason is not None:
+                    del self.queues[delta.request_id]
+        elif isinstance(message, protocol.Heartbeat):
+            self._heard_from(message.worker)
+        elif isinstance(message, protocol.WorkerReady):
+            self._heard_from(message.worker)
+            event = self._ready_events.get(message.worker)
+            if event is not None:
                 self.ready[message.worker] = message
-                self._ready_events[message.worker].set()
-            elif isinstance(message, protocol.WorkerFailed):
-                logger.error("%s reported a failure:\n%s", message.worker, message.message)
+                event.set()
+        elif isinstance(message, protocol.WorkerFailed):
+            self._heard_from(message.worker)
+            logger.error("%s reported a failure:\n%s", message.worker, message.message)
+
+    def _heard_from(self, worker: str) -> None:
+        if worker in self._last_heard:
+            self._last_heard[worker] = time.monotonic()
+
+    async def _watch_liveness(self) -> None:
+        interval = min(protocol.HEARTBEAT_INTERVAL_S, self.worker_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            # Messages waiting to be read mean this process fell behind (a busy event loop),
+            # not that a worker went quiet.
+            if self.from_workers.get(zmq.EVENTS) & zmq.POLLIN:
+                continue
+            now = time.monotonic()
+            for worker in list(self._running):
+                silent_s = now - self._last_heard[worker]
+                if silent_s >= self.worker_timeout_s:
+                    self._kill_silent(worker, silent_s)
+
+    def _kill_silent(self, worker: str, silent_s: float) -> None:
+        reason = f"the {worker} process stopped responding (no message for {silent_s:.0f} s)"
+        self._lost_reasons[worker] = reason
+        self._worker_lost(worker, reason)
+        # SIGKILL ends even a stopped process; its exit watcher then restarts it.
+        try:
+            self.processes[worker].kill()
+        except ProcessLookupError:
+            pass
