@@ -47,7 +47,9 @@ class AppState:
 
 def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
     state = AppState(config, engine_config,
-                     EngineClient(engine_config, max_restarts=config.max_worker_restarts, on_fatal=on_fatal),
+                     EngineClient(engine_config, max_restarts=config.max_worker_restarts,
+                                  restart_window_s=config.worker_restart_window_s,
+                                  worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
 

@@ -94,6 +94,10 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--body-timeout", type=float, default=30.0, dest="body_timeout_s")
     group.add_argument("--idle-timeout", type=float, default=600.0, dest="idle_timeout_s")
     group.add_argument("--max-worker-restarts", type=int, default=3)
+    group.add_argument("--worker-restart-window", type=float, default=600.0, dest="worker_restart_window_s",
+                       help="seconds over which a worker's restarts are counted against --max-worker-restarts")
+    group.add_argument("--worker-timeout", type=float, default=30.0, dest="worker_timeout_s",
+                       help="a worker that sends nothing for this many seconds is killed and restarted")
     group.add_argument("--ws-compression", action="store_true",
                        help="accept permessage-deflate on WebSockets (off: compressing every small event "
                             "costs CPU on both ends and delays tokens)")
@@ -124,7 +128,8 @@ def _serve(args) -> int:
             max_conversation_items=args.max_conversation_items, max_events_per_second=args.max_events_per_second,
             max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
-            max_worker_restarts=args.max_worker_restarts)
+            max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
+            worker_timeout_s=args.worker_timeout_s)
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)
         return 2

@@ -47,8 +47,15 @@ class ServerConfig:
     idle_timeout_s: float = 600.0
     # The decoder is restarted this many times after crashes, then the server exits non-zero.
     max_worker_restarts: int = 3
+    # Restarts are counted per worker over this many seconds; older ones are forgiven.
+    worker_restart_window_s: float = 600.0
+    # A worker that sends nothing (not even a heartbeat) for this long is killed and restarted.
+    worker_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        for name in ("worker_restart_window_s", "worker_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
                      "max_connections", "max_conversation_items", "max_stop_strings"):
             if getattr(self, name) < 1:
