@@ -355,7 +355,7 @@ def main() -> None:
     process = None
     url = args.url
     if url is None:
-        server_args = ["--max-num-seqs", str(args.concurrency), "--max-concurrent-requests", "1024"]
+        server_args = ["--max-num-seqs", str(args.concurrency), "--max-waiting-requests", "1024"]
         server_args += ["--async-scheduling", args.async_scheduling]
         process = start_server(args.model_path, args.port, server_args)
         url = f"http://127.0.0.1:{args.port}"

@@ -79,9 +79,9 @@ def test_models_health_and_metrics(server):
 
 @pytest.mark.parametrize("body,status,code", [
     (b"{not json", 400, "invalid_json"),
-    (b"[1, 2]", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_value"),
     (json.dumps({"messages": []}).encode(), 400, "empty_conversation"),
-    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "invalid_message"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "invalid_value"),
     (json.dumps({"messages": CONVERSATION, "temperature": -1}).encode(), 400, "invalid_value"),
     (json.dumps({"messages": CONVERSATION, "max_tokens": 0}).encode(), 400, "invalid_value"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}).encode(), 413, "request_too_large"),

@@ -18,7 +18,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     process = ServerProcess(tiny_llama, "--api-key", KEY, "--allowed-origin", "http://ok.example",
-                            "--max-concurrent-requests", "1", "--idle-timeout", "1", "--ws-compression",
+                            "--max-num-seqs", "1", "--max-waiting-requests", "0", "--idle-timeout", "1", "--ws-compression",
                             log_dir=tmp_path_factory.mktemp("logs"))
     yield process
     assert process.stop() == 0, process.log_text()

@@ -1,0 +1,315 @@
+"""A hostile client cannot lock others out, leak what a request holds, or reach a 500.
+
+Each test pins one fault found by attacking the real server; each failed before the fix.
+"""
+
+import asyncio
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import websockets
+
+from tests.server_harness import ServerProcess, post_json, request, wait_for
+
+HELLO = [{"role": "user", "content": "hello"}]
+# Greedy on the tiny model this runs long (ignore_eos keeps it going to max_tokens).
+LONG = {"messages": [{"role": "user", "content": "again"}], "temperature": 0, "max_tokens": 400, "ignore_eos": True}
+# Two running + two queued: the fifth concurrent request is refused.
+CAPACITY = 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    process = ServerProcess(tiny_llama, "--max-num-seqs", "2", "--max-waiting-requests", "2",
+                            "--max-conversation-items", "3", "--max-stop-strings", "2", "--header-timeout", "1",
+                            "--body-timeout", "1", "--max-events-per-second", "20",
+                            "--max-concurrent-per-connection", "2", log_dir=tmp_path_factory.mktemp("logs"))
+    yield process
+    assert process.stop() == 0, process.log_text()
+
+
+def nothing_held(server) -> bool:
+    return (server.metric("antiphon_request_slots_held") == 0
+            and server.metric("antiphon_engine_requests_registered") == 0
+            and server.metric("antiphon_kv_blocks_used") == 0)
+
+
+def assert_back_to_baseline(server) -> None:
+    assert wait_for(lambda: nothing_held(server), timeout=10), (
+        server.metric("antiphon_request_slots_held"), server.metric("antiphon_engine_requests_registered"),
+        server.metric("antiphon_kv_blocks_used"))
+
+
+def chat(server, body, headers=None):
+    return post_json(server.url + "/v1/chat/completions", body, headers)
+
+
+def user_item(text: str, item_id: str | None = None) -> dict:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    if item_id:
+        item["id"] = item_id
+    return item
+
+
+async def next_event(ws, kind: str, timeout: float = 10.0) -> dict:
+    """The next event of type `kind` (skipping others)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), deadline - time.monotonic()))
+        if event["type"] == kind:
+            return event
+
+
+# ---- slots are released however a request ends -------------------------------------------
+
+async def test_create_then_cancel_back_to_back_never_leaks_a_slot(server):
+    """20 clients that cancel each response right behind its creation used to hold every slot for ever."""
+    async def hostile():
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("again")}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            await ws.send(json.dumps({"type": "response.cancel"}))
+            while True:  # admitted and then cancelled, or refused while the server was full
+                event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                if event["type"] == "response.done":
+                    return event["response"]["status"]
+                if event["type"] == "error" and event["error"]["code"] == "too_many_requests":
+                    return "refused"
+
+    outcomes = await asyncio.gather(*(hostile() for _ in range(20)))
+    assert set(outcomes) <= {"cancelled", "refused"} and "cancelled" in outcomes, outcomes
+    assert_back_to_baseline(server)
+    status, body = await asyncio.to_thread(chat, server, {"messages": HELLO, "max_tokens": 2})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": HELLO, "stream": True, "stream_options": "x"},
+    {"messages": HELLO, "stream": True, "stream_options": {"include_usage": "yes"}},
+    {"messages": HELLO, "seed": 2**64},
+    {"messages": HELLO, "top_k": 2**64},
+    {"messages": HELLO, "max_tokens": 2**70},
+    {"messages": 5},
+    {"messages": [5]},
+    {"messages": [{"role": "user", "content": {"a": 1}}]},
+    {"messages": [{"role": "robot", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {"messages": HELLO, "stop": [["x"]]},
+    {"messages": HELLO, "stop": ["a", "b", "c"]},
+    {"messages": HELLO, "temperature": "hot"},
+    {"messages": HELLO, "n": 2},
+    [1, 2, 3],
+], ids=lambda b: json.dumps(b)[:60])
+def test_bad_bodies_are_400s_naming_the_field_and_hold_nothing(server, body):
+    status, answer = chat(server, body)
+    assert status == 400, answer
+    assert answer["error"]["code"] in ("invalid_value", "invalid_json", "unsupported_parameter",
+                                       "empty_conversation", "invalid_message")
+    assert answer["error"]["message"]
+    assert_back_to_baseline(server)
+
+
+def test_deeply_nested_or_undecodable_json_is_a_400(server):
+    for raw in (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"\xff\xfe{", b"", b"null"):
+        status, text = request("POST", server.url + "/v1/chat/completions", raw,
+                               {"Content-Type": "application/json"})
+        assert status == 400, text
+    assert request("GET", server.url + "/health")[0] == 200
+
+
+# ---- admission queue ------------------------------------------------------------------------
+
+async def test_requests_beyond_the_batch_wait_in_the_queue_and_past_it_get_429_with_retry_after(server):
+    tasks = [asyncio.create_task(asyncio.to_thread(chat, server, {**LONG, "max_tokens": 60}))
+             for _ in range(CAPACITY)]
+    assert await asyncio.to_thread(wait_for, lambda: server.metric("antiphon_request_slots_held") == CAPACITY)
+    over = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=json.dumps({"messages": HELLO, "max_tokens": 2}).encode(),
+        method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused_error:
+        await asyncio.to_thread(urllib.request.urlopen, over)
+    refused = refused_error.value
+    assert refused.code == 429
+    assert refused.headers["Retry-After"] == "1"
+    assert json.loads(refused.read())["error"]["code"] == "too_many_requests"
+    results = await asyncio.gather(*tasks)
+    assert [status for status, _ in results] == [200] * CAPACITY
+    assert server.metric("antiphon_requests_refused_total") >= 1
+    assert_back_to_baseline(server)
+
+
+# ---- disconnects and slow clients -----------------------------------------------------------
+
+def test_a_plain_request_stops_generating_when_its_client_goes(server):
+    aborted_before = _finished(server, "abort")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        body = json.dumps(LONG).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: server.metric("antiphon_kv_blocks_used") > 0, timeout=10)
+    # Before: the request generated its 400 tokens for nobody.
+    assert wait_for(lambda: nothing_held(server), timeout=3)
+    assert _finished(server, "abort") == aborted_before + 1
+
+
+def _finished(server, reason: str) -> float:
+    try:
+        return server.metric(f'antiphon_requests_total{{finish_reason="{reason}"}}')
+    except KeyError:
+        return 0.0
+
+
+def test_a_declared_oversized_body_is_refused_before_it_is_sent(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n{")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_a_body_that_trickles_in_times_out(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        started = time.monotonic()
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert time.monotonic() - started < 4
+
+
+def test_headers_that_never_finish_are_cut_off(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        assert sock.recv(4096) == b""  # closed by the server
+        assert time.monotonic() - started < 4
+
+
+# ---- who may connect -------------------------------------------------------------------------
+
+def test_dns_rebinding_is_refused_by_the_host_allowlist(server):
+    status, body = chat(server, {"messages": HELLO, "max_tokens": 2}, {"Host": f"attacker.example:{server.port}"})
+    assert status == 400 and body["error"]["code"] == "host_not_allowed"
+    # A rebound page sends its own name as both Host and Origin: before, that passed as "same origin".
+    assert _websocket_handshake(server, f"attacker.example:{server.port}").startswith(b"HTTP/1.1 403")
+    assert _websocket_handshake(server, f"localhost:{server.port}").startswith(b"HTTP/1.1 101")
+
+
+def _websocket_handshake(server, host: str) -> bytes:
+    """The status line of a browser-like handshake whose Host and Origin name `host`."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(f"GET /v1/realtime HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\n"
+                     "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())
+        return sock.recv(4096)
+
+
+def test_connections_over_the_cap_are_refused(tiny_llama, tmp_path):
+    capped = ServerProcess(tiny_llama, "--max-connections", "2", log_dir=tmp_path)
+
+    async def scenario():
+        async with websockets.connect(capped.ws_url) as first, websockets.connect(capped.ws_url) as second:
+            for ws in (first, second):
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            async with websockets.connect(capped.ws_url) as third:
+                event = json.loads(await third.recv())
+                assert event["error"]["code"] == "too_many_connections"
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await third.recv()
+                assert closed.value.rcvd.code == 1013
+            assert (await asyncio.to_thread(request, "GET", capped.url + "/health"))[0] == 503
+        assert (await asyncio.to_thread(request, "GET", capped.url + "/health"))[0] == 200
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        assert capped.stop() == 0
+
+
+# ---- Realtime input is typed at the socket ---------------------------------------------------
+
+async def test_bad_realtime_events_get_error_events_and_the_socket_lives(server):
+    bad = [
+        ({"type": "session.update", "session": {"seed": 2**64}}, "invalid_value", "session.seed"),
+        ({"type": "session.update", "session": {"temperature": [1]}}, "invalid_value", "session.temperature"),
+        ({"type": "response.create", "response": {"seed": 2**70}}, "invalid_value", "response.seed"),
+        ({"type": "response.create", "response": 5}, "invalid_value", "response"),
+        ({"type": "conversation.item.create", "item": {"role": "user", "content": 5}}, "invalid_value",
+         "item.content"),
+        ({"type": "conversation.item.create", "item": [1]}, "invalid_value", "item"),
+        ({"type": "nope"}, "unknown_event_type", "type"),
+        ([1, 2], "invalid_event", "type"),
+    ]
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.recv()
+        for event, code, param in bad:
+            await ws.send(json.dumps(event))
+            error = (await next_event(ws, "error"))["error"]
+            assert (error["code"], error["param"]) == (code, param), error
+        await ws.send("[" * 100_000 + "]" * 100_000)
+        assert (await next_event(ws, "error"))["error"]["code"] in ("invalid_json", "invalid_event")
+        await ws.send(b"\xff\xfe binary garbage")
+        assert (await next_event(ws, "error"))["error"]["code"] == "invalid_json"
+        # Still serving, and no response was left in_progress.
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("hello")}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 3}}))
+        done = await next_event(ws, "response.done")
+        assert done["response"]["status"] == "incomplete"
+    assert_back_to_baseline(server)
+
+
+async def test_conversation_items_are_capped_and_can_be_deleted(server):
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.recv()
+        for n in range(3):
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item(f"m{n}", f"item{n}")}))
+            assert (await next_event(ws, "conversation.item.added"))["item"]["id"] == f"item{n}"
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("one too many")}))
+        assert (await next_event(ws, "error"))["error"]["code"] == "conversation_full"
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item0"}))
+        assert (await next_event(ws, "conversation.item.deleted"))["item_id"] == "item0"
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item0"}))
+        assert (await next_event(ws, "error"))["error"]["code"] == "item_not_found"
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("first", "item3"),
+                                  "previous_item_id": "root"}))
+        added = await next_event(ws, "conversation.item.added")
+        assert added["previous_item_id"] is None
+        await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "item3"}))
+        assert (await next_event(ws, "conversation.item.retrieved"))["item"]["content"][0]["text"] == "first"
+
+
+async def test_a_flood_of_events_is_rate_limited_and_the_connection_lives(server):
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.recv()
+        for _ in range(100):
+            await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "none"}))
+        codes = [(await next_event(ws, "error"))["error"]["code"] for _ in range(100)]
+        assert codes.count("rate_limit_exceeded") >= 50
+        await asyncio.sleep(1.0)
+        await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0}}))
+        assert (await next_event(ws, "session.updated"))["session"]["temperature"] == 0
+
+
+def test_tenants_with_their_own_keys_never_share_prefix_cache(tiny_llama, tmp_path):
+    tenants = ServerProcess(tiny_llama, "--api-key", "key-a", "--api-key", "key-b", "--cache-salt-per-key",
+                            log_dir=tmp_path)
+    try:
+        prompt = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 4}]
+
+        def cached(key: str) -> int:
+            status, body = post_json(tenants.url + "/v1/chat/completions",
+                                     {"messages": prompt, "max_tokens": 1}, {"Authorization": f"Bearer {key}"})
+            assert status == 200, body
+            return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("key-a") == 0
+        assert cached("key-a") > 0
+        assert cached("key-b") == 0
+        assert cached("key-b") > 0
+        status, _ = post_json(tenants.url + "/v1/chat/completions", {"messages": prompt}, {"Authorization": "Bearer x"})
+        assert status == 401
+    finally:
+        assert tenants.stop() == 0
