@@ -90,11 +90,13 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             ("antiphon_request_slots_total", "Requests the server admits at once (max_num_seqs + max_waiting_requests).",
              state.admission.capacity),
             ("antiphon_engine_requests_registered", "Requests whose outputs the engine client routes now.",
-             len(state.client.queues)),
+             state.client.num_registered),
             ("antiphon_realtime_sessions", "Open Realtime WebSocket sessions.", state.realtime_sessions),
         ]
         counters = [("antiphon_requests_refused_total", "Requests refused with 429 (server full).",
                      state.admission.refused)]
+        counters += [(f"antiphon_{worker}_restarts_total", f"Times the {worker} process was restarted.", count)
+                     for worker, count in state.client.restarts.items()]
         return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters),
                                  media_type="text/plain; version=0.0.4")
 
