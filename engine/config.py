@@ -6,6 +6,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from engine.executor import KVCacheSpec
+
 logger = logging.getLogger("antiphon")
 
 GIB = 1 << 30
@@ -69,13 +71,11 @@ class ResolvedSizes:
     kv_bytes_per_block: int
 
 
-def resolve_sizes(config: EngineConfig, *, model_max_len: int, num_layers: int,
-                  num_kv_heads: int, head_dim: int, dtype_bytes: int) -> ResolvedSizes:
+def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec) -> ResolvedSizes:
     max_model_len = model_max_len if config.max_model_len is None else config.max_model_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}")
-    # Keys and values, every layer, one block of tokens.
-    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * dtype_bytes
+    bytes_per_block = kv_cache_spec.bytes_per_block(config.block_size)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:

@@ -1,9 +1,10 @@
 """The engine core: one loop of schedule -> execute -> update.
 
-It owns the scheduler, the KV cache manager and the model runner. It knows token ids
-only; text and stop strings belong to the output processing in LLMEngine.
+It owns the scheduler and the KV cache manager, and drives the model through an executor
+(engine/executor.py) it is given: it never knows where or how the model runs. It knows
+token ids only; text and stop strings belong to the output processing.
 
-With async_scheduling the model runs in a worker thread and the next step is scheduled
+With async_scheduling the executor runs in a worker thread and the next step is scheduled
 while the current one runs: the scheduler hands the runner placeholders for tokens not
 sampled yet, and the runner, executing steps in order, fills them in. Outputs are the same
 as without; a request that finishes in step N may have computed one wasted token in N+1.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.config import EngineConfig, resolve_sizes
+from engine.executor import Executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import EngineStatsSnapshot as EngineStats
 from engine.request import Request, RequestStatus
@@ -21,24 +23,18 @@ from engine.scheduler import EngineCoreOutput, Scheduler
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model, model_config) -> None:
-        from workers.model_runner import ModelRunner, kv_cache_shape
-
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
-        text_config = model_config.get_text_config()
-        probe = kv_cache_shape(model_config, 1, config.block_size)
-        dtype = next(model.parameters()).dtype
-        self.sizes = resolve_sizes(
-            config, model_max_len=text_config.max_position_embeddings, num_layers=probe.num_layers,
-            num_kv_heads=probe.num_kv_heads, head_dim=probe.head_dim, dtype_bytes=dtype.itemsize)
+        self.executor = executor
+        self.sizes = resolve_sizes(config, executor.model_max_len, executor.kv_cache_spec)
+        executor.initialize_kv_cache(self.sizes.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.sizes.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len)
-        self.runner = ModelRunner(model, kv_cache_shape(model_config, self.sizes.num_kv_blocks, config.block_size))
         use_async = config.async_scheduling
         if use_async is None:
-            use_async = self.runner.device.type == "cuda"
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if use_async else None
-        # The step the runner is executing now: (what was scheduled, its future result).
+            use_async = executor.is_accelerated
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if use_async else None
+        # The step the executor is running now: (what was scheduled, its future result).
         self._in_flight: tuple | None = None
 
     def add_request(self, request: Request) -> None:
@@ -52,10 +48,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        if self._executor is not None:
+        if self._step_thread is not None:
             return self._step_pipelined()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         return self.scheduler.update_from_output(sched, result)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
@@ -69,12 +65,13 @@ class EngineCore:
         return outputs
 
     def _submit(self, sched) -> tuple:
-        future: Future = self._executor.submit(self.runner.execute, sched)
+        future: Future = self._step_thread.submit(self.executor.execute, sched)
         return sched, future
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+        self.executor.close()
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import importlib
+from collections.abc import Callable, Iterator, Sequence
 
 from engine.config import EngineConfig
+from engine.executor import Executor
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 Messages = list[dict]
 
+# The executor an LLM uses unless given one: the model in this process, as in the decoder
+# process. It lives in workers/, which the engine never imports (the engine knows only the
+# Executor interface), so it is named here as data and resolved when an LLM is built, the
+# way vLLM names its worker class by qualified name: the one place where the offline API
+# composes the engine with a concrete executor. Pass `executor_factory` to use another.
+DEFAULT_EXECUTOR = "workers.inprocess_executor:InProcessExecutor"
+
 
 class LLM:
-    def __init__(self, model: str | None = None, **config) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+    def __init__(self, model: str | None = None, *,
+                 executor_factory: Callable[[EngineConfig], Executor] | None = None, **config) -> None:
+        engine_config = EngineConfig.from_kwargs(model=model, **config)
+        factory = executor_factory if executor_factory is not None else default_executor_factory()
+        self.engine = LLMEngine(engine_config, factory(engine_config))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -70,5 +82,10 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         # Validate everything before queuing anything: a bad prompt leaves no half-added batch.
-        token_ids = [self.engine.tokenize_prompt(p) for p in prompts]
-        return [self.engine.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        return [self.engine.add_engine_request(r) for r in requests]
+
+
+def default_executor_factory() -> Callable[[EngineConfig], Executor]:
+    module, name = DEFAULT_EXECUTOR.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,7 +1,9 @@
 """The engine with its input and output processing: prompts in, text and tokens out.
 
-Input processing validates and tokenizes a prompt into a Request; output processing
-detokenizes each request's new tokens incrementally and ends it on a stop string.
+Input processing validates and tokenizes a prompt into an EngineRequest (the same struct
+the frontend sends the decoder process); output processing turns each request's new
+tokens into text and ends it on a stop string (engine/output_processor.py, which the
+frontend uses too).
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.checkpoint import eos_token_ids, load_tokenizer, resolve_model_path
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
-from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import Executor
+from engine.input_processor import make_engine_request, to_request
+from engine.output_processor import RequestOutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from engine.protocol import EngineRequest
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
@@ -24,24 +30,17 @@ Prompt = str | Sequence[int] | dict
 @dataclass
 class _Tracked:
     output: RequestOutput
-    detokenizer: IncrementalDetokenizer
+    processor: RequestOutputProcessor
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from workers.model_loader import (load_model, load_tokenizer, resolve_device, resolve_dtype,
-                                          resolve_model_path)
-        from transformers import AutoConfig
-
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        model_config = AutoConfig.from_pretrained(self.model_path)
-        device = resolve_device(config.device)
-        self.model = load_model(self.model_path, resolve_dtype(config.dtype, model_config, device), device)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.core = EngineCore(config, self.model, self.model.config)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.core = EngineCore(config, executor)
+        self.vocab_size = executor.vocab_size
         self.max_model_len = self.core.sizes.max_model_len
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -49,7 +48,7 @@ class LLMEngine:
     # ---- input ------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        """Validate a prompt and return its token ids; raises ValueError naming the problem."""
+        """The prompt's token ids; raises ValueError for a malformed prompt or an id outside the vocabulary."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -68,26 +67,28 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt_token_ids contains unknown token id {bad[0]!r} "
                                  f"(vocabulary size {self.vocab_size})")
-        if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, longer than the context of "
-                             f"{self.max_model_len} tokens (max_model_len) minus one for output")
         return token_ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> EngineRequest:
+        """Validate a prompt and its parameters into a request; raises ValueError naming the problem."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self.tokenize_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
-                          cache_salt=cache_salt)
-        self.core.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            RequestOutput(request_id, token_ids), IncrementalDetokenizer(self.tokenizer, token_ids, params))
-        return request_id
+        return make_engine_request(request_id, self.tokenize_prompt(prompt), params, self.eos_token_ids,
+                                   self.max_model_len, cache_salt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        return self.add_engine_request(self.make_request(prompt, params, request_id, cache_salt))
+
+    def add_engine_request(self, message: EngineRequest) -> str:
+        self.core.add_request(to_request(message))
+        self._tracked[message.request_id] = _Tracked(
+            RequestOutput(message.request_id, message.prompt_token_ids),
+            RequestOutputProcessor(self.tokenizer, message.prompt_token_ids, message.sampling_params))
+        return message.request_id
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         self.core.abort_requests(request_ids)
@@ -109,37 +110,21 @@ class LLMEngine:
             tracked = self._tracked.get(core_output.request_id)
             if tracked is None:
                 continue
-            out, detok = tracked.output, tracked.detokenizer
-            out.new_token_ids = core_output.new_token_ids
-            out.token_ids.extend(core_output.new_token_ids)
+            out = tracked.output
+            update = tracked.processor.update(core_output.new_token_ids, core_output.finish_reason,
+                                              core_output.stop_reason)
+            if update.stopped_by_string:
+                self.core.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
+            out.new_token_ids = update.token_ids
+            out.token_ids.extend(update.token_ids)
             out.num_cached_tokens = core_output.num_cached_tokens
             if core_output.logprobs:
-                out.logprobs = (out.logprobs or []) + core_output.logprobs
-            finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
-            matched = detok.add_tokens(core_output.new_token_ids)
-            if matched is not None:
-                finish_reason, stop_reason = "stop", matched
-                self.core.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
-            if finish_reason is not None:
-                detok.flush()
-                out.finish_reason, out.stop_reason, out.error = finish_reason, stop_reason, core_output.error
+                out.logprobs = (out.logprobs or []) + core_output.logprobs[:len(update.token_ids)]
+            out.new_text = update.text
+            out.text += update.text
+            if update.finished:
+                out.finish_reason, out.stop_reason, out.error = (update.finish_reason, update.stop_reason,
+                                                                 core_output.error)
                 del self._tracked[out.request_id]
-            out.new_text = detok.take_delta(out.finished)
-            out.text = detok.text
             results.append(out)
         return results
-
-
-def _eos_token_ids(model, tokenizer) -> tuple[int, ...]:
-    ids: set[int] = set()
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    if configured is None:
-        configured = getattr(model.config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))

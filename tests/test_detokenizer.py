@@ -1,8 +1,10 @@
-"""Incremental detokenization: equals a full decode, never splits a character or leaks a stop."""
+"""Output processing: incremental text equals a full decode, never splits a character, never
+leaks a stop string, and the stop string that starts earliest in the text wins."""
 
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor import RequestOutputProcessor
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import build_tokenizer
 
@@ -11,6 +13,7 @@ TEXTS = [
     "\u65e5\u672c\u8a9e and emoji \U0001F600\U0001F600 mixed",
     "def fibonacci(n):\n    return n",
 ]
+FOX = "The quick brown fox jumps over the lazy dog."
 
 
 @pytest.fixture(scope="module")
@@ -18,42 +21,107 @@ def tokenizer():
     return build_tokenizer()
 
 
+def run_token_by_token(processor, ids, finish_reason="length"):
+    """Feed one token per update, the last with the engine's finish reason; returns the updates."""
+    updates = []
+    for index, token_id in enumerate(ids):
+        updates.append(processor.update([token_id], finish_reason if index == len(ids) - 1 else None, None))
+        if updates[-1].finished:
+            break
+    return updates
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_text_equals_full_decode(tokenizer, text):
     prompt = tokenizer("Hello there").input_ids
     ids = tokenizer(text).input_ids
-    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
-    deltas = []
-    for token_id in ids:
-        assert detok.add_token(token_id) is None
-        delta = detok.take_delta(finished=False)
-        assert "\ufffd" not in delta
-        deltas.append(delta)
-    detok.flush()
-    deltas.append(detok.take_delta(finished=True))
-    assert "".join(deltas) == tokenizer.decode(ids) == text
+    updates = run_token_by_token(RequestOutputProcessor(tokenizer, prompt, SamplingParams()), ids)
+    assert all("\ufffd" not in u.text for u in updates)
+    assert "".join(u.text for u in updates) == tokenizer.decode(ids) == text
+    assert [t for u in updates for t in u.token_ids] == ids
 
 
 def test_byte_level_tokens_of_one_character_are_held_until_complete(tokenizer):
-    # The emoji is four bytes; byte-level BPE may split it over several tokens.
     ids = tokenizer("\U0001F600").input_ids
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
-    seen = []
-    for token_id in ids:
-        detok.add_token(token_id)
-        seen.append(detok.take_delta(finished=False))
-    assert [s for s in seen if s] == ["\U0001F600"]
+    assert len(ids) > 1  # the emoji's four bytes span several tokens
+    updates = run_token_by_token(RequestOutputProcessor(tokenizer, [], SamplingParams()), ids + ids, None)
+    assert [u.text for u in updates if u.text] == ["\U0001F600", "\U0001F600"]
+
+
+def test_a_request_ending_inside_a_character_ends_like_a_full_decode(tokenizer):
+    ids = tokenizer("ok \U0001F600").input_ids[:-1]
+    updates = run_token_by_token(RequestOutputProcessor(tokenizer, [], SamplingParams()), ids)
+    assert "".join(u.text for u in updates) == tokenizer.decode(ids)
+    assert updates[-1].text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer, skip):
+    ids = tokenizer("done<|im_end|> after").input_ids
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
+    updates = run_token_by_token(RequestOutputProcessor(tokenizer, [], SamplingParams(skip_special_tokens=skip)), ids)
+    text = "".join(u.text for u in updates)
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in text) is not skip
 
 
 def test_stop_string_spanning_tokens_is_never_streamed(tokenizer):
-    text = "The quick brown fox jumps over the lazy dog."
-    ids = tokenizer(text).input_ids
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["fox jumps"]))
-    streamed, matched = "", None
-    for token_id in ids:
-        matched = detok.add_token(token_id)
-        streamed += detok.take_delta(finished=matched is not None)
+    processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop=["fox jumps"]))
+    updates = run_token_by_token(processor, tokenizer(FOX).input_ids, None)
+    last = updates[-1]
+    assert (last.finish_reason, last.stop_reason, last.stopped_by_string) == ("stop", "fox jumps", True)
+    assert "".join(u.text for u in updates) == "The quick brown "
+
+
+def test_the_stop_string_starting_earliest_in_the_text_wins_over_list_order(tokenizer):
+    # Both complete with the token " fox" ends on; "brown fox" starts first in the text.
+    processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop=["fox", "brown fox"]))
+    updates = run_token_by_token(processor, tokenizer(FOX).input_ids, None)
+    assert updates[-1].stop_reason == "brown fox"
+    assert "".join(u.text for u in updates) == "The quick "
+
+
+def test_tokens_after_the_stop_are_not_consumed(tokenizer):
+    ids = tokenizer(FOX).input_ids
+    processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop=["fox"], include_stop_str_in_output=True))
+    update = processor.update(ids, None, None)  # one update carrying the whole text
+    stop_token = next(i for i in range(len(ids)) if "fox" in tokenizer.decode(ids[:i + 1]))
+    assert update.token_ids == ids[:stop_token + 1]
+    assert (update.text, update.finish_reason, update.stop_reason) == ("The quick brown fox", "stop", "fox")
+    with pytest.raises(RuntimeError, match="already finished"):
+        processor.update([1], None, None)
+
+
+def test_text_held_back_for_a_stop_string_is_released_when_the_request_ends(tokenizer):
+    ids = tokenizer(FOX).input_ids
+    processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop=["never here"]))
+    streamed = ""
+    for token_id in ids[:-1]:
+        streamed += processor.update([token_id], None, None).text
+        # Never more than len("never here") - 1 characters behind the decoded text.
+        assert len(processor.text) - len(streamed) <= len("never here") - 1
+    last = processor.update([ids[-1]], "length", None)
+    assert (last.finish_reason, last.stop_reason, last.stopped_by_string) == ("length", None, False)
+    assert streamed + last.text == FOX
+
+
+def test_the_engines_finish_reason_passes_through(tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop_token_ids=[eos]))
+    update = processor.update(tokenizer("Hi").input_ids + [eos], "stop", eos)
+    assert (update.text, update.finish_reason, update.stop_reason, update.stopped_by_string) == ("Hi", "stop", eos,
+                                                                                             False)
+
+
+def test_transitional_detokenizer_api_streams_what_the_processor_does(tokenizer):
+    # frontend/generation.py still calls this API until it moves to RequestOutputProcessor.
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["fox", "brown fox"]))
+    text, matched = "", None
+    for token_id in tokenizer(FOX).input_ids:
+        matched = detok.add_tokens([token_id])
+        if matched:
+            detok.flush()
+        text += detok.take_delta(finished=matched is not None)
         if matched:
             break
-    assert matched == "fox jumps"
-    assert streamed == "The quick brown "
+    assert (matched, text) == ("brown fox", "The quick ")

@@ -47,6 +47,18 @@ def test_stop_string_truncates_the_text(llm, expected):
     assert kept.text == full[:cut + len(stop)]
 
 
+def test_the_stop_string_starting_earliest_in_the_text_wins(llm):
+    full = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    # Two stop strings completed by the same token; the one listed first starts later.
+    end = next(e for e in range(len(full) // 2, len(full) + 1)
+               if full.find(full[e - 2:e]) == e - 2 and full.find(full[e - 5:e]) == e - 5)
+    later, earlier = full[end - 2:end], full[end - 5:end]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                stop=[later, earlier]))[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", earlier)
+    assert out.text == full[:end - 5]
+
+
 def test_eos_ends_with_stop_unless_ignored(llm, tiny_llama):
     eos = llm.tokenizer.eos_token_id
     prompts = [[i, i + 1, i + 2] for i in range(3, 300, 7)]

@@ -20,7 +20,7 @@ import zmq
 
 from engine import protocol
 from engine.config import EngineConfig
-from engine.request import Request
+from engine.input_processor import to_request
 from workers.process_guard import die_with_parent, exit_on_signals
 
 logger = logging.getLogger("antiphon.decoder")
@@ -52,17 +52,13 @@ class DecoderWorker:
         self._last_sent = time.monotonic()
 
     def load(self) -> None:
-        from transformers import AutoConfig
-
         from engine.core import EngineCore
-        from workers.model_loader import load_model, resolve_device, resolve_dtype, resolve_model_path
+        from workers.inprocess_executor import InProcessExecutor
 
-        path = resolve_model_path(self.config.model)
-        model_config = AutoConfig.from_pretrained(path)
-        device = resolve_device(self.config.device)
-        model = load_model(path, resolve_dtype(self.config.dtype, model_config, device), device)
-        self.core = EngineCore(self.config, model, model.config)
-        self.handoff_ms = FIRST_TOKEN_HANDOFF_MS if device.type == "cpu" else 0
+        # The same core around the same executor as the offline LLM.
+        executor = InProcessExecutor(self.config)
+        self.core = EngineCore(self.config, executor)
+        self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
             num_kv_blocks=self.core.sizes.num_kv_blocks)))
@@ -98,11 +94,9 @@ class DecoderWorker:
         return True
 
     def _add(self, message: protocol.EngineRequest) -> None:
-        request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                          eos_token_ids=tuple(message.eos_token_ids), cache_salt=message.cache_salt)
         try:
-            self.core.add_request(request)
-            self._awaiting_first.add(request.request_id)
+            self.core.add_request(to_request(message))
+            self._awaiting_first.add(message.request_id)
         except ValueError as exc:
             self._send([protocol.RequestDelta(message.request_id, [], "error", error=str(exc))])
 

