@@ -1,8 +1,20 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+Every value that passes validation also encodes on the wire (msgpack ints are 64-bit) and
+works in the sampler (torch seeds span [-2**63, 2**64)): a request the frontend accepts
+must never fail later, after it was registered.
+"""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+# Counts and token ids far beyond any vocabulary or context, and within every int type on the way.
+MAX_COUNT = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -28,9 +40,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
-            _check(_is_number(getattr(self, name)), name, getattr(self, name), "must be a number")
+        for name in FLOAT_FIELDS:
+            setattr(self, name, _finite_float(name, getattr(self, name)))
         for name in ("top_k", "max_tokens"):
             _check(_is_int(getattr(self, name)), name, getattr(self, name), "must be an integer")
         for name in ("seed", "logprobs"):
@@ -41,9 +52,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be a list of token ids")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 disables it)")
+        _check(0 <= self.top_k <= MAX_COUNT, "top_k", self.top_k, f"must be in [0, {MAX_COUNT}] (0 disables it)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(1 <= self.max_tokens <= MAX_COUNT, "max_tokens", self.max_tokens, f"must be in [1, {MAX_COUNT}]")
+        _check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", self.seed,
+               "must be a 64-bit integer, in [-2**63, 2**64 - 1]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
                "must be between 0 and 20")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
@@ -53,8 +66,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be in [-2, 2]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be non-negative token ids")
+        _check(all(_is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, f"must be token ids in [0, {MAX_COUNT}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
 
     @property
     def greedy(self) -> bool:
@@ -70,8 +85,14 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _finite_float(field: str, value) -> float:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool), field, value, "must be a number")
+    try:
+        converted = float(value)
+    except OverflowError:
+        converted = math.inf
+    _check(math.isfinite(converted), field, value, "must be a finite number")
+    return converted
 
 
 def _check(ok: bool, field: str, value, rule: str) -> None:

@@ -1,9 +1,14 @@
 """Sampling: seeded reproducibility, filters, penalties, logprobs, and parameter validation."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, protocol
+from engine.input_processor import make_engine_request
 from workers.sampler import SamplingRow, sample
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 130))]
@@ -83,7 +88,46 @@ def test_logprobs_return_the_top_n_and_the_sampled_token(llm):
     ("max_tokens", 0), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("stop", [""]), ("stop_token_ids", [-1]),
     ("max_tokens", "5"), ("temperature", "hot"), ("seed", 1.5), ("top_k", True), ("stop", 3),
+    # Values msgpack or torch cannot carry, which used to pass and fail after registration.
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("top_k", 2**64), ("top_k", 2**31), ("max_tokens", 2**31),
+    ("max_tokens", 2**64), ("logprobs", 2**64), ("stop_token_ids", [2**64]), ("stop_token_ids", [True]),
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", 10**400), ("top_p", math.nan),
+    ("min_p", math.nan), ("repetition_penalty", math.inf), ("presence_penalty", math.nan),
+    ("frequency_penalty", -math.inf), ("ignore_eos", "yes"), ("skip_special_tokens", None),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"{field}="):
         SamplingParams(**{field: value})
+
+
+def test_extreme_valid_values_are_kept():
+    params = SamplingParams(seed=2**64 - 1, top_k=2**31 - 1, max_tokens=2**31 - 1, stop_token_ids=[2**31 - 1])
+    assert (params.seed, params.top_k) == (2**64 - 1, 2**31 - 1)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+# Values around every bound (and far past them), numbers msgpack or torch cannot carry included.
+INTS = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70),
+                 st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1]))
+NUMBERS = st.one_of(st.floats(-3.0, 3.0), st.floats(allow_nan=True, allow_infinity=True), INTS,
+                    st.sampled_from([10**400, -(10**400)]))
+# A few fields at a time, so accepted sets are common enough to test what follows acceptance.
+SAMPLING_FIELDS = st.fixed_dictionaries({}, optional={
+    "temperature": NUMBERS, "top_p": NUMBERS, "top_k": INTS, "min_p": NUMBERS,
+    "seed": st.one_of(st.none(), INTS), "max_tokens": INTS, "logprobs": st.one_of(st.none(), INTS),
+    "stop_token_ids": st.lists(INTS, max_size=3), "repetition_penalty": NUMBERS,
+    "presence_penalty": NUMBERS, "frequency_penalty": NUMBERS,
+})
+
+
+@settings(max_examples=400, deadline=None)
+@given(SAMPLING_FIELDS)
+def test_every_accepted_sampling_params_encodes_and_samples(fields):
+    try:
+        params = SamplingParams(**fields)
+    except ValueError:
+        return
+    message = make_engine_request("r", [1, 2], params, [0], max_model_len=2**40)
+    assert protocol.decode_input(protocol.encode(message)) == message
+    tokens, _ = sample(torch.zeros(1, 8), [SamplingRow(params, [1, 2], [3])])
+    assert 0 <= tokens[0] < 8
