@@ -13,6 +13,7 @@ import torch
 
 from engine.checkpoint import (cache_dir, ensure_default_model, file_lock, load_tokenizer,  # noqa: F401
                                resolve_model_path)
+from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
 
 
@@ -33,8 +34,11 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
 
 def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
                max_model_len: int) -> torch.nn.Module:
+    """Refuses models needing features the engine lacks (before reading weights), then loads."""
     from transformers import AutoModelForCausalLM
 
+    check_config_supported(model_config, max_model_len)
     model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
                                                  attn_implementation=ATTENTION_NAME)
+    check_model_supported(model)
     return model.to(device).eval()

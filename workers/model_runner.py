@@ -2,7 +2,8 @@
 
 It keeps its own copy of each request's tokens and block ids, updated from the scheduler's
 deltas, so it can run in another process. All scheduled tokens of all requests go through
-the model as one packed sequence; logits are computed only for rows that sample.
+the model as one packed sequence; logits are computed only for rows that sample, by the
+model's own forward (logits_to_keep), so its final softcapping or logit scale applies.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ class KVCacheShape:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape) -> None:
-        self.decoder = model.model
-        self.lm_head = model.get_output_embeddings()
+        self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_shape.block_size
@@ -87,12 +87,11 @@ class ModelRunner:
         states = [self.requests[r] for r in request_ids]
         batch = self._prepare_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
 
-        hidden = self.decoder(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
-                              antiphon_attn=batch.attention).last_hidden_state[0]
+        logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
+                            logits_to_keep=batch.logits_index, antiphon_attn=batch.attention).logits[0]
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
-        logits = self.lm_head(hidden[batch.logits_index])
         rows = [states[i] for i in batch.sample_rows]
         token_ids, logprobs = sample(logits, [
             SamplingRow(s.sampling_params, s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
@@ -149,7 +148,8 @@ class ModelRunner:
         return PackedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0),
             positions=to_device(positions).unsqueeze(0),
-            attention=PagedAttentionMetadata(to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches),
+            attention=PagedAttentionMetadata(to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches,
+                                             int(ends.max())),
             sample_rows=sample_rows.tolist(),
             logits_index=to_device(logits_index),
         )

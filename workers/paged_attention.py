@@ -47,13 +47,30 @@ class PagedAttentionMetadata:
     prefill_spans: list[PrefillSpan]
     # Per layer: (keys, values), each [num_blocks * block_size, num_kv_heads, head_dim].
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # The longest context (cached plus new tokens) of any request in the step.
+    max_context_len: int
+
+
+class UnsupportedAttentionFeature(RuntimeError):
+    """The model asked for an attention variant this function does not compute."""
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    antiphon_attn: PagedAttentionMetadata | None = None, **kwargs):
+                    antiphon_attn: PagedAttentionMetadata | None = None, sliding_window: int | None = None,
+                    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     if antiphon_attn is None:
         raise RuntimeError("antiphon_paged attention needs the engine's metadata (antiphon_attn=...)")
     meta = antiphon_attn
+    # Loading refuses models that need these (workers/model_support.py); this catches any
+    # that slips through rather than computing plain attention in their place. A window
+    # no shorter than every context in the step masks nothing, so it computes the same.
+    if sliding_window is not None and meta.max_context_len > sliding_window:
+        raise UnsupportedAttentionFeature(
+            f"sliding-window attention (window {sliding_window}, context {meta.max_context_len})")
+    if softcap is not None:
+        raise UnsupportedAttentionFeature(f"attention logit softcapping (softcap={softcap})")
+    if s_aux is not None:
+        raise UnsupportedAttentionFeature("attention sinks (s_aux)")
     key_cache, value_cache = meta.kv_caches[module.layer_idx]
     # [1, H, T, D] -> [T, H, D]
     q = query[0].transpose(0, 1)
