@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import save_tiny_checkpoint  # noqa: E402
+from tests.tiny_models import save_multi_eos_checkpoint, save_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +18,10 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints):
     return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_multi_eos(tmp_path_factory):
+    """A tiny Llama whose generation_config.json ends on <|im_end|> and <|endoftext|> while its
+    tokenizer's EOS is <|endoftext|>; tests.tiny_models.MULTI_EOS_CONVERSATION ends on <|im_end|>."""
+    return save_multi_eos_checkpoint(tmp_path_factory.mktemp("tiny-multi-eos") / "llama")

@@ -5,6 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.reference import hf_greedy
+from tests.tiny_models import MULTI_EOS_CONVERSATION
 
 PROMPT_LENGTHS = [3, 17, 30, 45, 64, 9, 100, 33]
 MAX_TOKENS = [20, 12, 20, 7, 20, 16, 20, 3]
@@ -88,3 +89,16 @@ def test_shared_prefix_in_one_batch_matches(case):
     outputs = llm.generate(variants, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.num_cached_tokens for o in outputs) >= 3 * 64
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stops_on_a_generation_config_eos_that_is_not_the_tokenizers(tiny_multi_eos, async_scheduling):
+    llm = LLM(str(tiny_multi_eos), num_kv_blocks=64, async_scheduling=async_scheduling)
+    im_end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert llm.tokenizer.eos_token_id != im_end
+    prompt = llm.apply_chat_template(MULTI_EOS_CONVERSATION)
+    expected = hf_greedy(tiny_multi_eos, prompt, 40, stop_at_eos=True)
+    assert expected[-1] == im_end and len(expected) < 40
+    out = llm.chat(MULTI_EOS_CONVERSATION, SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.token_ids == expected
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", None, llm.tokenizer.decode(expected[:-1]))
