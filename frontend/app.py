@@ -55,7 +55,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        from workers.model_loader import load_tokenizer, resolve_model_path
+        from engine.checkpoint import eos_token_ids, load_tokenizer, resolve_model_path
 
         # Resolving here converts the embedded default model once, before any worker needs it.
         logger.info("preparing the model (the embedded default is converted once, ~40 s, on first use)")
@@ -66,7 +66,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
         await state.client.start()
         max_model_len = state.client.ready["decoder"].max_model_len
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        # The same EOS ids as the offline engine: generation_config's, the config's, the tokenizer's.
+        eos = eos_token_ids(path, tokenizer)
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
                                              config.max_prompt_tokens, state.metrics)
         host = f"[{config.host}]" if ":" in config.host else config.host

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
-import msgspec
 
 from engine import protocol
-from engine.detokenizer import IncrementalDetokenizer
+from engine.input_processor import make_engine_request
+from engine.output_processor import RequestOutputProcessor
 from engine.sampling_params import SamplingParams
 from frontend.admission import Admission, RequestLease
 from frontend.edge_decoding import InvalidInput
@@ -84,16 +84,15 @@ class GenerationService:
 
     async def stream(self, lease: RequestLease, token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
-        request_id = lease.request_id
-        max_output = self.max_model_len - len(token_ids)
-        if params.max_tokens > max_output:
-            params = msgspec.structs.replace(params, max_tokens=max_output)
+        try:
+            request = make_engine_request(lease.request_id, token_ids, params, self.eos_token_ids,
+                                          self.max_model_len, cache_salt)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), "prompt_too_long", "messages") from None
         started = time.monotonic()
-        queue = await self.client.add_request(protocol.EngineRequest(
-            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt))
+        queue = await self.client.add_request(request)
         self.metrics.request_started()
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        output = RequestOutputProcessor(self.tokenizer, token_ids, request.sampling_params)
         num_output, cached, last_token_time = 0, 0, None
         finished = False
         try:
@@ -106,17 +105,13 @@ class GenerationService:
                     else:
                         self.metrics.observe_itl(now - last_token_time)
                     last_token_time = now
-                num_output += len(delta.new_token_ids)
+                update = output.update(delta.new_token_ids, delta.finish_reason, delta.stop_reason)
+                num_output += len(update.token_ids)
                 cached = delta.num_cached_tokens
-                finish, stop_reason = delta.finish_reason, delta.stop_reason
-                matched = detok.add_tokens(delta.new_token_ids)
-                if matched is not None:
-                    finish, stop_reason = "stop", matched
-                if finish is not None:
-                    finished = True
-                    detok.flush()
-                chunk = TextChunk(detok.take_delta(finished), delta.new_token_ids, finish, stop_reason, delta.error,
-                                  len(token_ids), num_output, cached, delta.logprobs or [])
+                finished, finish = update.finished, update.finish_reason
+                chunk = TextChunk(update.text, update.token_ids, finish, update.stop_reason, delta.error,
+                                  len(token_ids), num_output, cached,
+                                  (delta.logprobs or [])[:len(update.token_ids)])
                 if finished:
                     self.metrics.request_finished(finish, len(token_ids), num_output, cached)
                     # Before the last yield: a stop string ends the engine request now, not

@@ -313,3 +313,26 @@ def test_tenants_with_their_own_keys_never_share_prefix_cache(tiny_llama, tmp_pa
         assert status == 401
     finally:
         assert tenants.stop() == 0
+
+
+# ---- the server and the offline engine stop on the same tokens --------------------------------
+
+def test_served_greedy_stops_on_a_generation_config_eos_like_offline(tiny_multi_eos, tmp_path):
+    """Before, the server sent only the tokenizer's EOS and ran past <|im_end|> (Llama-3's <|eot_id|> case)."""
+    from engine import LLM, SamplingParams
+    from tests.reference import hf_greedy
+    from tests.tiny_models import MULTI_EOS_CONVERSATION
+
+    llm = LLM(str(tiny_multi_eos), num_kv_blocks=64)
+    expected = hf_greedy(tiny_multi_eos, llm.apply_chat_template(MULTI_EOS_CONVERSATION), 40, stop_at_eos=True)
+    assert expected[-1] == llm.tokenizer.convert_tokens_to_ids("<|im_end|>") != llm.tokenizer.eos_token_id
+    assert llm.chat(MULTI_EOS_CONVERSATION, SamplingParams(temperature=0, max_tokens=40))[0].token_ids == expected
+    served = ServerProcess(tiny_multi_eos, log_dir=tmp_path)
+    try:
+        status, body = post_json(served.url + "/v1/chat/completions", {
+            "messages": MULTI_EOS_CONVERSATION, "temperature": 0, "max_tokens": 40, "return_token_ids": True})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == expected
+        assert body["choices"][0]["finish_reason"] == "stop"
+    finally:
+        assert served.stop() == 0
