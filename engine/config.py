@@ -68,7 +68,6 @@ class ResolvedSizes:
 
     max_model_len: int
     num_kv_blocks: int
-    kv_bytes_per_block: int
 
 
 def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec) -> ResolvedSizes:
@@ -83,7 +82,7 @@ def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCac
         # models would otherwise take the whole memory budget for nothing.
         most_usable = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
         num_blocks = max(2, min(int(config.kv_cache_memory_gib * GIB) // bytes_per_block, most_usable))
-    sizes = ResolvedSizes(max_model_len, num_blocks, bytes_per_block)
+    sizes = ResolvedSizes(max_model_len, num_blocks)
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len=%d, token budget %d, max %d seqs, "
         "prefix caching %s",
