@@ -84,10 +84,10 @@ class LLMEngine:
         return self.add_engine_request(self.make_request(prompt, params, request_id, cache_salt))
 
     def add_engine_request(self, message: EngineRequest) -> str:
+        processor = RequestOutputProcessor(self.tokenizer, message.prompt_token_ids, message.sampling_params)
         self.core.add_request(to_request(message))
-        self._tracked[message.request_id] = _Tracked(
-            RequestOutput(message.request_id, message.prompt_token_ids),
-            RequestOutputProcessor(self.tokenizer, message.prompt_token_ids, message.sampling_params))
+        self._tracked[message.request_id] = _Tracked(RequestOutput(message.request_id, message.prompt_token_ids),
+                                                     processor)
         return message.request_id
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
