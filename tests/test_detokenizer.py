@@ -3,7 +3,6 @@ leaks a stop string, and the stop string that starts earliest in the text wins."
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.output_processor import RequestOutputProcessor
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import build_tokenizer
@@ -112,16 +111,3 @@ def test_the_engines_finish_reason_passes_through(tokenizer):
     assert (update.text, update.finish_reason, update.stop_reason, update.stopped_by_string) == ("Hi", "stop", eos,
                                                                                              False)
 
-
-def test_transitional_detokenizer_api_streams_what_the_processor_does(tokenizer):
-    # frontend/generation.py still calls this API until it moves to RequestOutputProcessor.
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["fox", "brown fox"]))
-    text, matched = "", None
-    for token_id in tokenizer(FOX).input_ids:
-        matched = detok.add_tokens([token_id])
-        if matched:
-            detok.flush()
-        text += detok.take_delta(finished=matched is not None)
-        if matched:
-            break
-    assert (matched, text) == ("brown fox", "The quick ")
