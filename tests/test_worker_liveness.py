@@ -1,0 +1,114 @@
+"""The real server when a worker hangs, crashes or a stray frame reaches the frontend."""
+
+import http.client
+import json
+import os
+import signal
+
+import msgspec
+import pytest
+import zmq
+
+from tests.server_harness import ServerProcess, get_json, request, wait_for
+
+HELLO = [{"role": "user", "content": "hello"}]
+WORKER_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    process = ServerProcess(tiny_llama, "--worker-timeout", str(WORKER_TIMEOUT_S),
+                            log_dir=tmp_path_factory.mktemp("logs"))
+    yield process
+    assert process.stop() == 0, process.log_text()
+
+
+def outputs_address(server) -> str:
+    """The frontend's outputs socket, as the decoder was told on its command line."""
+    (decoder,) = server.worker_pids("decoder")
+    with open(f"/proc/{decoder}/cmdline", "rb") as cmdline:
+        args = cmdline.read().decode().split("\0")
+    return args[args.index("--output") + 1]
+
+
+def complete(server, max_tokens: int = 4, timeout: float = 30.0) -> tuple[int, dict]:
+    status, text = request("POST", server.url + "/v1/chat/completions",
+                           {"messages": HELLO, "max_tokens": max_tokens}, {"Content-Type": "application/json"},
+                           timeout=timeout)
+    return status, json.loads(text)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def replaced(server, worker: str, old_pid: int) -> bool:
+    pids = server.worker_pids(worker)
+    return bool(pids) and old_pid not in pids and get_json(server.url + "/health")[0] == 200
+
+
+def test_undecodable_frames_on_the_outputs_socket_are_skipped(server):
+    context = zmq.Context()
+    stray = context.socket(zmq.PUSH)
+    stray.connect(outputs_address(server))
+    try:
+        for frame in (b"\xc1", b"not msgpack at all", msgspec.msgpack.encode({"type": "no-such-message"}),
+                      msgspec.msgpack.encode({"type": "heartbeat", "worker": 7})):
+            stray.send(frame)
+        status, body = complete(server)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 4
+        assert get_json(server.url + "/health") == (200, {"status": "ok"})
+    finally:
+        stray.close(linger=0)
+        context.term()
+
+
+def test_stopped_decoder_fails_in_flight_requests_and_is_killed_and_replaced(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WORKER_TIMEOUT_S + 30)
+    connection.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the first event: the request is in the decoder
+    (decoder,) = server.worker_pids("decoder")
+    os.kill(decoder, signal.SIGSTOP)
+    try:
+        rest = response.read().decode()  # ends when the watchdog fails the request
+        assert "the decoder process stopped responding" in rest
+        status, health = get_json(server.url + "/health")
+        assert status == 503 and "decoder process stopped responding" in health["reason"]
+        assert wait_for(lambda: not alive(decoder), 10), "the hung decoder was not killed"
+        assert wait_for(lambda: replaced(server, "decoder", decoder), 120), server.log_text()
+        status, body = complete(server)
+        assert status == 200, body
+    finally:
+        connection.close()
+        if alive(decoder):
+            os.kill(decoder, signal.SIGCONT)
+
+
+def test_encoder_crash_does_not_spend_the_decoders_restart_budget(tiny_llama, tmp_path):
+    server = ServerProcess(tiny_llama, "--max-worker-restarts", "1", log_dir=tmp_path)
+    try:
+        (encoder,) = server.worker_pids("encoder")
+        os.kill(encoder, signal.SIGKILL)
+        assert wait_for(lambda: replaced(server, "encoder", encoder), 60), server.log_text()
+        # The decoder still has its one restart.
+        (decoder,) = server.worker_pids("decoder")
+        os.kill(decoder, signal.SIGKILL)
+        assert wait_for(lambda: replaced(server, "decoder", decoder), 120), server.log_text()
+        status, body = complete(server)
+        assert status == 200, body
+        # Its second crash inside the window is one too many: the server exits non-zero.
+        (decoder,) = server.worker_pids("decoder")
+        os.kill(decoder, signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 1, server.log_text()
+        assert "decoder process crashed" in server.log_text()
+    finally:
+        server.stop()
