@@ -37,7 +37,7 @@ def decode_json(data: bytes | str, type_, what: str = "request"):
         message, param = _split_path(str(exc))
         raise InvalidInput(f"invalid {what}: {message}" + (f" (at {param})" if param else ""),
                            "invalid_value", param) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"malformed JSON: {exc}", "invalid_json") from None
     except RecursionError:
         raise InvalidInput("JSON nested too deeply", "invalid_json") from None
