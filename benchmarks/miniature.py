@@ -18,7 +18,7 @@ MINIATURE_NAME = "SmolLM2-miniature-2x64"
 
 
 def ensure_miniature() -> Path:
-    from workers.model_loader import cache_dir, ensure_default_model, file_lock
+    from engine.checkpoint import cache_dir, ensure_default_model, file_lock
 
     target = cache_dir() / "models" / MINIATURE_NAME
     if (target / "config.json").is_file():
