@@ -4,12 +4,16 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import msgspec
 import pytest
 import zmq
 
-from tests.server_harness import ServerProcess, get_json, request, wait_for
+from engine import protocol
+from tests.server_harness import REPO, ServerProcess, get_json, request, wait_for
 
 HELLO = [{"role": "user", "content": "hello"}]
 WORKER_TIMEOUT_S = 5
@@ -112,3 +116,32 @@ def test_encoder_crash_does_not_spend_the_decoders_restart_budget(tiny_llama, tm
         assert "decoder process crashed" in server.log_text()
     finally:
         server.stop()
+
+
+def test_encoder_beats_while_inputs_keep_arriving(tmp_path):
+    context = zmq.Context()
+    to_encoder, from_encoder = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    to_encoder.bind(f"ipc://{tmp_path}/in")
+    from_encoder.bind(f"ipc://{tmp_path}/out")
+    encoder = subprocess.Popen([sys.executable, "-m", "workers.encoder_process", "--input", f"ipc://{tmp_path}/in",
+                                "--output", f"ipc://{tmp_path}/out"], cwd=REPO)
+    try:
+        assert from_encoder.poll(60_000), "the encoder never reported ready"
+        assert isinstance(protocol.decode_output(from_encoder.recv()), protocol.WorkerReady)
+        beats = 0
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            # An input more often than the heartbeat interval.
+            to_encoder.send(protocol.encode(protocol.AbortRequests([])))
+            while from_encoder.poll(200):
+                beats += isinstance(protocol.decode_output(from_encoder.recv()), protocol.Heartbeat)
+        assert beats >= 2
+        to_encoder.send(protocol.encode(protocol.Shutdown()))
+        assert encoder.wait(timeout=10) == 0
+    finally:
+        if encoder.poll() is None:
+            encoder.kill()
+            encoder.wait()
+        to_encoder.close(linger=0)
+        from_encoder.close(linger=0)
+        context.term()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import zmq
 
@@ -33,12 +34,17 @@ def main() -> None:
     try:
         outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
         heartbeat = protocol.encode(protocol.Heartbeat(worker="encoder", pid=os.getpid()))
+        last_sent = time.monotonic()
         while True:
-            if inputs.poll(int(protocol.HEARTBEAT_INTERVAL_S * 1000)):
+            # Beat on a clock, not only when idle: a steady stream of inputs must not keep
+            # the frontend from hearing that this loop is alive.
+            wait_ms = max(0, int((last_sent + protocol.HEARTBEAT_INTERVAL_S - time.monotonic()) * 1000))
+            if inputs.poll(wait_ms):
                 if isinstance(protocol.decode_input(inputs.recv()), protocol.Shutdown):
                     break
-            else:
+            if time.monotonic() - last_sent >= protocol.HEARTBEAT_INTERVAL_S:
                 outputs.send(heartbeat)
+                last_sent = time.monotonic()
     except SystemExit:
         pass
     finally:
