@@ -98,7 +98,7 @@ def _convert_default_model(target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting the embedded %s (GGUF) into %s, once", DEFAULT_MODEL_NAME, target)
+    logger.info("converting the embedded %s (GGUF) into %s, once (about 40 s)", DEFAULT_MODEL_NAME, target)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_MODEL_GGUF)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=DEFAULT_MODEL_GGUF, dtype=torch.float32)
     # The tensors are already dequantized to float32; drop the GGUF quantizer so the model

@@ -58,7 +58,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         from engine.checkpoint import eos_token_ids, load_tokenizer, resolve_model_path
 
         # Resolving here converts the embedded default model once, before any worker needs it.
-        logger.info("preparing the model (the embedded default is converted once, ~40 s, on first use)")
+        logger.info("preparing the model %s", engine_config.model or "(the embedded default)")
         path = resolve_model_path(engine_config.model)
         state.model_name = path.name
         state.started = int(time.time())
