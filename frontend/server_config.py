@@ -45,7 +45,8 @@ class ServerConfig:
     cache_salt_per_key: bool = False
     # A WebSocket with no message and no active response for this long is closed.
     idle_timeout_s: float = 600.0
-    # The decoder is restarted this many times after crashes, then the server exits non-zero.
+    # A worker that crashes or hangs is restarted at most this many times within
+    # worker_restart_window_s (counted per worker); one more and the server exits non-zero.
     max_worker_restarts: int = 3
     # Restarts are counted per worker over this many seconds; older ones are forgiven.
     worker_restart_window_s: float = 600.0
@@ -65,6 +66,11 @@ class ServerConfig:
         for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_events_per_second"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        # An idle worker beats once a second: a shorter timeout would kill healthy workers.
+        if self.worker_timeout_s <= 2.0:
+            raise ValueError("worker_timeout_s must be > 2 (workers send a heartbeat every second)")
+        if self.max_worker_restarts < 0:
+            raise ValueError("max_worker_restarts must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
 
