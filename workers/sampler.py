@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
                 continue
             top = []
             if n > 0:
-                values, ids = raw_logprobs[index].topk(n)
+                values, ids = raw_logprobs[index].topk(min(n, raw_logprobs.shape[-1]))
                 top = list(zip(ids.tolist(), values.tolist()))
             logprobs[index] = TokenLogprobs(float(raw_logprobs[index, token_list[index]]), top)
     return token_list, logprobs
