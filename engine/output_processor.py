@@ -57,9 +57,10 @@ class RequestOutputProcessor:
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        # All text so far (cut at a matched stop string), and how much of it was emitted.
-        self.text = ""
-        self._emitted = 0
+        # Decoded text not emitted yet (cut at a matched stop string). While running it holds
+        # at least the last `holdback` characters, which is all a stop string can start in,
+        # so the whole output is never kept or copied per token.
+        self._pending = ""
         self.finished = False
 
     def update(self, new_token_ids: list[int], finish_reason: str | None = None,
@@ -85,21 +86,20 @@ class RequestOutputProcessor:
         if matched is not None:
             finish_reason, stop_reason = "stop", matched
         self.finished = finish_reason is not None
-        end = len(self.text) if self.finished else max(self._emitted, len(self.text) - self._holdback)
-        text = self.text[self._emitted:end]
-        self._emitted = end
+        end = len(self._pending) if self.finished else max(0, len(self._pending) - self._holdback)
+        text, self._pending = self._pending[:end], self._pending[end:]
         return OutputUpdate(text, list(new_token_ids[:consumed]), finish_reason, stop_reason, matched is not None)
 
     def _append(self, piece: str) -> str | None:
         """Add decoded text; on a stop string, cut the text there and return the string."""
-        old_length = len(self.text)
-        self.text += piece
+        old_length = len(self._pending)
+        self._pending += piece
         best_index, best = -1, None
         for stop in self._stop:
             # Only matches that end in the new piece: earlier ones were found before.
-            index = self.text.find(stop, max(0, old_length - len(stop) + 1))
+            index = self._pending.find(stop, max(0, old_length - len(stop) + 1))
             if index >= 0 and (best is None or (index, len(stop)) < (best_index, len(best))):
                 best_index, best = index, stop
         if best is not None:
-            self.text = self.text[:best_index + len(best) if self._include_stop else best_index]
+            self._pending = self._pending[:best_index + len(best) if self._include_stop else best_index]
         return best

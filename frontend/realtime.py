@@ -254,6 +254,7 @@ class RealtimeSession:
         # yield to the loop, so without this sleep(0) the task would submit only after all
         # three (measured: 0.5 ms of TTFT).
         first = asyncio.create_task(anext(stream, None))
+        announced = False
         try:
             await asyncio.sleep(0)
             await self.send({"type": "response.created", "response": response})
@@ -261,6 +262,7 @@ class RealtimeSession:
                              "item": item})
             await self.send({"type": "response.content_part.added", **where,
                              "part": {"type": "output_text", "text": ""}})
+            announced = True
             chunk = await first
             while chunk is not None:
                 last = chunk
@@ -300,12 +302,10 @@ class RealtimeSession:
             await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()
             lease.release()
-            self._forget_response(response_id)
             item["status"] = "completed" if response["status"] == "completed" else "incomplete"
             item["content"] = [{"type": "output_text", "text": text}]
             if in_conversation and text and len(self.items) < self.config.max_conversation_items:
                 self.items[item["id"]] = item
-            response["output"] = [item]
             if last is not None:
                 response["usage"] = {
                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
@@ -314,12 +314,22 @@ class RealtimeSession:
                                             "text_tokens": last.num_prompt_tokens, "audio_tokens": 0},
                     "output_token_details": {"text_tokens": last.num_output_tokens, "audio_tokens": 0},
                 }
-            await self.send({"type": "response.output_text.done", **where, "text": text})
-            await self.send({"type": "response.content_part.done", **where,
-                             "part": {"type": "output_text", "text": text}})
-            await self.send({"type": "response.output_item.done", "response_id": response_id, "output_index": 0,
-                             "item": item})
+            if announced:
+                response["output"] = [item]
+                await self.send({"type": "response.output_text.done", **where, "text": text})
+                await self.send({"type": "response.content_part.done", **where,
+                                 "part": {"type": "output_text", "text": text}})
+                await self.send({"type": "response.output_item.done", "response_id": response_id,
+                                 "output_index": 0, "item": item})
+            else:
+                # Cancelled before it was announced (a response.cancel right behind the
+                # response.create): the client still learns its id before it ends.
+                await self.send({"type": "response.created", "response": {**response, "status": "in_progress",
+                                                                           "status_details": None}})
             await self.send({"type": "response.done", "response": response})
+            # Only now: a response.create queued behind this one must not start (and announce
+            # itself) before this response.done has gone out.
+            self._forget_response(response_id)
 
     # ---- sending ------------------------------------------------------------------------
 

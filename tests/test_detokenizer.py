@@ -95,10 +95,11 @@ def test_text_held_back_for_a_stop_string_is_released_when_the_request_ends(toke
     ids = tokenizer(FOX).input_ids
     processor = RequestOutputProcessor(tokenizer, [], SamplingParams(stop=["never here"]))
     streamed = ""
-    for token_id in ids[:-1]:
+    for index, token_id in enumerate(ids[:-1]):
         streamed += processor.update([token_id], None, None).text
         # Never more than len("never here") - 1 characters behind the decoded text.
-        assert len(processor.text) - len(streamed) <= len("never here") - 1
+        decoded = tokenizer.decode(ids[:index + 1])
+        assert decoded.startswith(streamed) and len(decoded) - len(streamed) <= len("never here") - 1
     last = processor.update([ids[-1]], "length", None)
     assert (last.finish_reason, last.stop_reason, last.stopped_by_string) == ("length", None, False)
     assert streamed + last.text == FOX
