@@ -99,7 +99,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
             "ignore_eos": self.ignore_eos,
             "logprobs": _or(self.top_logprobs, 0) if self.logprobs else None,
         }
-        return sampling_params_or_invalid(fields)
+        return sampling_params_or_invalid(fields, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
+                                                   if self.max_completion_tokens is not None else "max_tokens"})
 
 
 def sampling_params_or_invalid(fields: dict, param_names: dict | None = None) -> SamplingParams:

@@ -87,6 +87,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrent-per-connection", type=int, default=4)
     group.add_argument("--max-connections", type=int, default=4096, help="open HTTP + WebSocket connections")
     group.add_argument("--max-conversation-items", type=int, default=512)
+    group.add_argument("--max-conversation-bytes", type=int, default=1 << 20,
+                       help="text a Realtime conversation may hold, answers included")
     group.add_argument("--max-events-per-second", type=float, default=200.0,
                        help="Realtime client events per connection (bursts of twice that)")
     group.add_argument("--max-stop-strings", type=int, default=8)
@@ -108,7 +110,7 @@ def _serve(args) -> int:
 
     from engine.config import EngineConfig
     from frontend.app import build_app
-    from frontend.http_timeouts import protocol_with_header_timeout
+    from frontend.http_timeouts import protocol_with_timeouts
     from frontend.server_config import ServerConfig
 
     try:
@@ -125,7 +127,8 @@ def _serve(args) -> int:
             max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
             max_waiting_requests=args.max_waiting_requests,
             max_concurrent_per_connection=args.max_concurrent_per_connection, max_connections=args.max_connections,
-            max_conversation_items=args.max_conversation_items, max_events_per_second=args.max_events_per_second,
+            max_conversation_items=args.max_conversation_items,
+            max_conversation_bytes=args.max_conversation_bytes, max_events_per_second=args.max_events_per_second,
             max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
             max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
@@ -144,7 +147,8 @@ def _serve(args) -> int:
     # event (and the connection lives on) instead of a hard close.
     _raise_open_files_limit(server_config.max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, ws="websockets-sansio",
-                                           http=protocol_with_header_timeout(server_config.header_timeout_s),
+                                           http=protocol_with_timeouts(server_config.header_timeout_s,
+                                                                       server_config.body_timeout_s),
                                            limit_concurrency=server_config.max_connections,
                                            ws_per_message_deflate=args.ws_compression,
                                            ws_max_size=4 * server_config.max_message_bytes,

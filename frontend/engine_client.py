@@ -64,6 +64,7 @@ class EngineClient:
         # One queue per registered request: added by add_request, removed when the request
         # finishes, fails or is released.
         self.queues: dict[str, asyncio.Queue] = {}
+        self._on_finished: dict[str, object] = {}
         self.stats = protocol.EngineStatsSnapshot()
         self.ready: dict[str, protocol.WorkerReady] = {}
         self.status = "starting"
@@ -74,6 +75,7 @@ class EngineClient:
         # Workers that reported ready and have not been lost since.
         self._running: set[str] = set()
         self._last_heard = {worker: 0.0 for worker in WORKERS}
+        self._last_read = 0.0
         # Why a worker the watchdog killed is gone (its exit code alone would say "crashed").
         self._lost_reasons: dict[str, str] = {}
         self._failed = False
@@ -211,7 +213,12 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------
 
-    async def add_request(self, request: protocol.EngineRequest) -> asyncio.Queue:
+    async def add_request(self, request: protocol.EngineRequest, on_finished=None) -> asyncio.Queue:
+        """Registers and sends the request; its deltas arrive on the returned queue.
+
+        `on_finished()` runs once the engine is done with it (finished or failed), whether or
+        not the reader has taken the last delta: what the request holds server-wide need not
+        wait for a slow reader."""
         # Encode before registering: a request that cannot be encoded leaves nothing behind.
         data = protocol.encode(request)
         if not self.healthy:
@@ -220,6 +227,8 @@ class EngineClient:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
+        if on_finished is not None:
+            self._on_finished[request.request_id] = on_finished
         try:
             await self._send("decoder", data)
         except BaseException:
@@ -231,21 +240,26 @@ class EngineClient:
         """Forget a request the caller no longer reads: if it is still registered (not finished),
         unregister it and have the decoder abort it. Synchronous and idempotent, so a
         done-callback can call it; the abort leaves shortly after, batched with others."""
+        self._on_finished.pop(request_id, None)
         if self.queues.pop(request_id, None) is None:
             return
         if "decoder" in self._running:
             self._pending_aborts.append(request_id)
             self._aborts_wanted.set()
 
-    async def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.release(request_id)
-
     def _fail_in_flight(self, message: str) -> None:
         for request_id, queue in list(self.queues.items()):
             queue.put_nowait(protocol.RequestDelta(request_id, [], "error", error=message))
+            callback = self._on_finished.pop(request_id, None)
             # A decoder still running (another worker was lost) must stop these too.
             self.release(request_id)
+            if callback is not None:
+                callback()
+
+    def _finished(self, request_id: str) -> None:
+        callback = self._on_finished.pop(request_id, None)
+        if callback is not None:
+            callback()
 
     async def _send(self, worker: str, data: bytes) -> None:
         socket = self.to_workers.get(worker)
@@ -280,6 +294,7 @@ class EngineClient:
     async def _read_outputs(self) -> None:
         while True:
             frame = await self.from_workers.recv()
+            self._last_read = time.monotonic()
             try:
                 message = protocol.decode_output(frame)
             except msgspec.DecodeError as exc:
@@ -298,6 +313,7 @@ class EngineClient:
                 queue.put_nowait(delta)
                 if delta.finish_reason is not None:
                     del self.queues[delta.request_id]
+                    self._finished(delta.request_id)
         elif isinstance(message, protocol.Heartbeat):
             self._heard_from(message.worker)
         elif isinstance(message, protocol.WorkerReady):
@@ -318,9 +334,10 @@ class EngineClient:
         interval = min(protocol.HEARTBEAT_INTERVAL_S, self.worker_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
-            # Messages waiting to be read mean this process fell behind (a busy event loop),
-            # not that a worker went quiet.
-            if self.from_workers.get(zmq.EVENTS) & zmq.POLLIN:
+            # Messages waiting while the reader has not read for a while mean this process
+            # fell behind (a busy event loop), not that a worker went quiet. Waiting messages
+            # alone say nothing: under load some always are.
+            if self.from_workers.get(zmq.EVENTS) & zmq.POLLIN and time.monotonic() - self._last_read >= interval:
                 continue
             now = time.monotonic()
             for worker in list(self._running):

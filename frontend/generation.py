@@ -8,13 +8,16 @@ consumer goes away (a cancelled response or a dropped connection).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+from jinja2 import TemplateError
 
 from engine import protocol
 from engine.input_processor import make_engine_request
@@ -52,6 +55,10 @@ class GenerationService:
         self.max_prompt_tokens = min(max_prompt_tokens, max_model_len - 1)
         self.metrics = metrics
         self._ids = itertools.count()
+        # Templating a large conversation takes memory and a core: a few at a time.
+        self._templating = asyncio.Semaphore(max(2, os.cpu_count() or 2))
+        # Refuse at start, not on every request, a tokenizer incremental detokenization cannot use.
+        RequestOutputProcessor(tokenizer, [], SamplingParams())
 
     def admit(self, request_id: str) -> RequestLease:
         """Claim a slot for a new request before any work is done for it (raises AdmissionRefused)."""
@@ -61,7 +68,14 @@ class GenerationService:
         """Apply the chat template in a worker thread. `messages`: role and text content, already checked."""
         if not messages:
             raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
-        token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
+        try:
+            async with self._templating:
+                token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
+        except (TemplateError, ValueError, TypeError) as exc:
+            # Templates refuse some conversations (roles that do not alternate, a system
+            # message where none may go): the client's conversation, not a server fault.
+            raise InvalidInput(f"the model's chat template refused this conversation: {exc}",
+                               "invalid_conversation", "messages") from None
         self.check_prompt(token_ids)
         return token_ids
 
@@ -89,10 +103,11 @@ class GenerationService:
                                           self.max_model_len, cache_salt)
         except ValueError as exc:
             raise InvalidInput(str(exc), "prompt_too_long", "messages") from None
-        started = time.monotonic()
-        queue = await self.client.add_request(request)
-        self.metrics.request_started()
         output = RequestOutputProcessor(self.tokenizer, token_ids, request.sampling_params)
+        started = time.monotonic()
+        # The slot frees when the engine is done, even if this stream's reader lags behind.
+        queue = await self.client.add_request(request, on_finished=lease.release)
+        self.metrics.request_started()
         num_output, cached, last_token_time = 0, 0, None
         finished = False
         try:

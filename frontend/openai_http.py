@@ -93,38 +93,51 @@ class ChatCompletions:
             return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
                                   headers={"Retry-After": str(exc.retry_after_s)})
         salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
-        with_lease = False
+        # From here on a client that hangs up stops its request, before or after its first token.
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        handed_over = False
         try:
-            prompt = await state.generation.chat_prompt(messages)
-            stream = state.generation.stream(lease, prompt, params, salt)
-            first = await anext(stream)
+            start = asyncio.ensure_future(self._first_chunk(lease, messages, params, salt))
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return Response(status_code=499)  # nobody is listening any more
+            stream, first = start.result()
             if body.stream:
-                include_usage = body.stream_options.include_usage if body.stream_options else True
-                with_lease = True
+                gone.cancel()  # the streaming response watches for the disconnect itself
+                handed_over = True
                 return LeasedStreamingResponse(
-                    lease, self._sse(lease.request_id, first, stream, include_usage, body.return_token_ids),
+                    lease, self._sse(lease.request_id, first, stream, include_usage=(
+                        body.stream_options.include_usage if body.stream_options else True),
+                        return_token_ids=body.return_token_ids),
                     media_type="text/event-stream")
-            return await self._complete_unless_disconnected(request, lease.request_id, first, stream, body)
+            return await self._complete_unless_disconnected(gone, lease.request_id, first, stream, body)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
         except EngineUnavailable as exc:
             return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
         finally:
-            if not with_lease:
+            gone.cancel()
+            if not handed_over:
                 lease.release()
 
-    async def _complete_unless_disconnected(self, request: Request, request_id: str, first: TextChunk, stream,
+    async def _first_chunk(self, lease: RequestLease, messages: list[dict], params, salt: str | None):
+        generation = self.state.generation
+        prompt = await generation.chat_prompt(messages)
+        stream = generation.stream(lease, prompt, params, salt)
+        return stream, await anext(stream)
+
+    async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, first: TextChunk, stream,
                                             body: ChatCompletionRequest) -> Response:
         """The whole answer; if the client goes away meanwhile, generation stops at once."""
         collect = asyncio.ensure_future(_collect(first, stream))
-        gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            gone.cancel()
             if not collect.done():
                 collect.cancel()
-            await asyncio.gather(collect, gone, return_exceptions=True)
+            await asyncio.gather(collect, return_exceptions=True)
             await stream.aclose()
         if collect.cancelled():
             return Response(status_code=499)  # nobody is listening any more

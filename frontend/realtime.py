@@ -56,8 +56,9 @@ class RealtimeSession:
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
             "temperature": 0.8, "top_p": 1.0, "seed": None,
         }
-        # The conversation, in order, by item id.
+        # The conversation, in order, by item id, and the bytes of its text.
         self.items: dict[str, dict] = {}
+        self.conversation_bytes = 0
         self.responses: dict[str, asyncio.Task] = {}
         self.conversation_response: str | None = None
         self.last_activity = time.monotonic()
@@ -140,18 +141,25 @@ class RealtimeSession:
             raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
                                "delete some with conversation.item.delete", "conversation_full", "item")
         item = _message_item(event.item)
+        size = _item_bytes(item)
+        if self.conversation_bytes + size > self.config.max_conversation_bytes:
+            raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
+                               "of text; delete some items with conversation.item.delete", "conversation_full", "item")
         if item["id"] in self.items:
             raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
         previous = event.previous_item_id
         if previous is not None and previous != "root" and previous not in self.items:
             raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
         self.items = _insert_after(self.items, item, previous)
+        self.conversation_bytes += size
         await self.send({"type": "conversation.item.added", "previous_item_id": _previous_id(self.items, item["id"]),
                          "item": item})
 
     async def on_item_delete(self, event: ItemDelete) -> None:
-        if self.items.pop(event.item_id, None) is None:
+        item = self.items.pop(event.item_id, None)
+        if item is None:
             raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        self.conversation_bytes -= _item_bytes(item)
         await self.send({"type": "conversation.item.deleted", "item_id": event.item_id})
 
     async def on_item_retrieve(self, event: ItemRetrieve) -> None:
@@ -306,6 +314,7 @@ class RealtimeSession:
             item["content"] = [{"type": "output_text", "text": text}]
             if in_conversation and text and len(self.items) < self.config.max_conversation_items:
                 self.items[item["id"]] = item
+                self.conversation_bytes += _item_bytes(item)
             if last is not None:
                 response["usage"] = {
                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
@@ -393,6 +402,10 @@ def _previous_id(items: dict[str, dict], item_id: str) -> str | None:
 
 def _item_text(item: dict) -> str:
     return "".join(part["text"] for part in item["content"])
+
+
+def _item_bytes(item: dict) -> int:
+    return sum(len(part["text"].encode("utf-8", errors="surrogatepass")) for part in item["content"])
 
 
 def _sampling(session: dict, overrides: dict, default_max_tokens: int) -> SamplingParams:

@@ -29,9 +29,11 @@ class ServerConfig:
     # Open connections (HTTP and WebSocket together); past it HTTP gets 503 and a WebSocket
     # an error event and close 1013.
     max_connections: int = 4096
-    # Per Realtime session: items kept in the conversation (delete some to go on), and
-    # client messages per second (a burst of twice that is allowed).
+    # Per Realtime session: items kept in the conversation (delete some to go on), their
+    # text, and client messages per second (a burst of twice that is allowed).
     max_conversation_items: int = 512
+    # Text bytes a conversation may hold (answers included; one answer may take it past).
+    max_conversation_bytes: int = 1 << 20
     max_events_per_second: float = 200.0
     max_stop_strings: int = 8
     # A client has this long to send its request headers, and then its body.
@@ -58,7 +60,7 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
-                     "max_connections", "max_conversation_items", "max_stop_strings"):
+                     "max_connections", "max_conversation_items", "max_conversation_bytes", "max_stop_strings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_waiting_requests < 0:

@@ -6,6 +6,7 @@ Each test pins one fault found by attacking the real server; each failed before 
 import asyncio
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +26,7 @@ CAPACITY = 4
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     process = ServerProcess(tiny_llama, "--max-num-seqs", "2", "--max-waiting-requests", "2",
-                            "--max-conversation-items", "3", "--max-stop-strings", "2", "--header-timeout", "1",
+                            "--max-conversation-items", "3", "--max-conversation-bytes", "64", "--max-stop-strings", "2", "--header-timeout", "1",
                             "--body-timeout", "1", "--max-events-per-second", "20",
                             "--max-concurrent-per-connection", "2", log_dir=tmp_path_factory.mktemp("logs"))
     yield process
@@ -157,6 +158,24 @@ def test_a_plain_request_stops_generating_when_its_client_goes(server):
     assert _finished(server, "abort") == aborted_before + 1
 
 
+def test_a_request_whose_client_goes_before_its_first_token_frees_its_slot(server):
+    """A queued request abandoned before its first token was still prefilled and held its slot."""
+    running = [threading.Thread(target=chat, args=(server, {**LONG, "max_tokens": 300})) for _ in range(2)]
+    for thread in running:
+        thread.start()
+    assert wait_for(lambda: server.metric("antiphon_requests_running") == 2, timeout=10)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        body = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: server.metric("antiphon_request_slots_held") == 3, timeout=5)
+    assert wait_for(lambda: server.metric("antiphon_request_slots_held") == 2, timeout=2)
+    assert server.metric("antiphon_requests_running") == 2  # the long ones go on
+    for thread in running:
+        thread.join()
+    assert_back_to_baseline(server)
+
+
 def _finished(server, reason: str) -> float:
     try:
         return server.metric(f'antiphon_requests_total{{finish_reason="{reason}"}}')
@@ -178,6 +197,22 @@ def test_a_body_that_trickles_in_times_out(server):
         reply = sock.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408"), reply
         assert time.monotonic() - started < 4
+
+
+def test_a_body_that_trickles_into_a_route_that_never_reads_it_is_cut_off(server):
+    """/health answers without reading the body; the trickle used to hold the connection for ever."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=0.5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000000\r\n\r\n")
+        started, closed = time.monotonic(), False
+        while not closed and time.monotonic() - started < 8:
+            try:
+                sock.sendall(b"x")  # one byte at a time, each well inside uvicorn's idle timeout
+                closed = sock.recv(4096) == b""
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+        assert closed and time.monotonic() - started < 5
 
 
 def test_headers_that_never_finish_are_cut_off(server):
@@ -269,6 +304,11 @@ async def test_conversation_items_are_capped_and_can_be_deleted(server):
             assert (await next_event(ws, "conversation.item.added"))["item"]["id"] == f"item{n}"
         await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("one too many")}))
         assert (await next_event(ws, "error"))["error"]["code"] == "conversation_full"
+        await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item2"}))
+        await next_event(ws, "conversation.item.deleted")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": user_item("x" * 65)}))
+        error = (await next_event(ws, "error"))["error"]
+        assert error["code"] == "conversation_full" and "bytes" in error["message"]
         await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item0"}))
         assert (await next_event(ws, "conversation.item.deleted"))["item_id"] == "item0"
         await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item0"}))
@@ -336,3 +376,26 @@ def test_served_greedy_stops_on_a_generation_config_eos_like_offline(tiny_multi_
         assert body["choices"][0]["finish_reason"] == "stop"
     finally:
         assert served.stop() == 0
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(tmp_path):
+    """Templates that raise (roles must alternate, as Llama-2's and Gemma's do) gave a 500."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint("llama", tmp_path / "strict")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    tokenizer.save_pretrained(folder)
+    strict = ServerProcess(folder, log_dir=tmp_path)
+    try:
+        status, body = post_json(strict.url + "/v1/chat/completions",
+                                 {"messages": HELLO + HELLO, "max_tokens": 2})
+        assert status == 400 and body["error"]["code"] == "invalid_conversation", body
+        assert "roles must alternate" in body["error"]["message"]
+        assert post_json(strict.url + "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2})[0] == 200
+    finally:
+        assert strict.stop() == 0

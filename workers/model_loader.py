@@ -1,8 +1,7 @@
 """Loads a checkpoint's weights onto a device, with the engine's paged attention plugged in.
 
 Finding the folder and reading its tokenizer and EOS ids belong to engine/checkpoint.py,
-which the frontend uses too; they are re-exported here for code that still imports them
-from this module.
+which the frontend uses too.
 """
 
 from __future__ import annotations
@@ -11,8 +10,6 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import (cache_dir, ensure_default_model, file_lock, load_tokenizer,  # noqa: F401
-                               resolve_model_path)
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
 
