@@ -11,15 +11,10 @@ from typing import Annotated, Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from frontend.edge_decoding import Count, InvalidInput, Number, Seed
+from frontend.edge_decoding import ContentPart, Count, InvalidInput, Number, Seed, parts_text
 
 Role = Literal["system", "developer", "user", "assistant"]
 TEXT_PART_TYPES = ("text", "input_text")
-
-
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -33,15 +28,7 @@ class ChatMessage(msgspec.Struct):
             raise InvalidInput("a message needs content", "invalid_message", "messages.content")
         if isinstance(self.content, str):
             return self.content
-        pieces = []
-        for part in self.content:
-            if part.type not in TEXT_PART_TYPES:
-                raise InvalidInput(f"content part type {part.type!r} is not supported yet; send text",
-                                   "unsupported_content_type", "messages.content")
-            if part.text is None:
-                raise InvalidInput("a text content part needs 'text'", "invalid_value", "messages.content")
-            pieces.append(part.text)
-        return "".join(pieces)
+        return parts_text(self.content, TEXT_PART_TYPES, "messages.content")
 
 
 class StreamOptions(msgspec.Struct):

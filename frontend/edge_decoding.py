@@ -22,6 +22,24 @@ Number = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
+class ContentPart(msgspec.Struct):
+    """One part of a message's content; which types a protocol takes is checked by `parts_text`."""
+
+    type: str
+    text: str | None = None
+
+
+def parts_text(parts: list[ContentPart], text_types: tuple[str, ...], param: str) -> str:
+    """The text of a message's parts; a part that is not text is refused with a clear error."""
+    for part in parts:
+        if part.type not in text_types:
+            raise InvalidInput(f"content part type {part.type!r} is not supported yet; send text",
+                               "unsupported_content_type", param)
+        if part.text is None:
+            raise InvalidInput("a text content part needs a string 'text'", "invalid_value", param)
+    return "".join(part.text for part in parts)
+
+
 class InvalidInput(ValueError):
     def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
         super().__init__(message)

@@ -12,15 +12,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.edge_decoding import Count, InvalidInput, Number, Seed, decode_json
+from frontend.edge_decoding import ContentPart, Count, InvalidInput, Number, Seed, decode_json, parts_text
 
 TEXT_PART_TYPES = ("input_text", "text", "output_text")
 MaxOutputTokens = Count | Literal["inf"]
-
-
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
 
 
 class MessageItem(msgspec.Struct, kw_only=True):
@@ -30,13 +25,7 @@ class MessageItem(msgspec.Struct, kw_only=True):
     id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
     def text(self) -> str:
-        for part in self.content:
-            if part.type not in TEXT_PART_TYPES:
-                raise InvalidInput(f"content part type {part.type!r} is not supported yet; send text",
-                                   "unsupported_content_type", "item.content")
-            if part.text is None:
-                raise InvalidInput("a text content part needs a string 'text'", "invalid_value", "item.content")
-        return "".join(part.text for part in self.content)
+        return parts_text(self.content, TEXT_PART_TYPES, "item.content")
 
 
 class SessionSettings(msgspec.Struct, kw_only=True):

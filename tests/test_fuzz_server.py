@@ -148,7 +148,7 @@ def test_metrics_show_slots_and_registered_request_queues(server):
 def post_raw(server, case: HttpCase) -> tuple[int, dict, bytes] | None:
     """Sends the case's bytes; the reply (None when the case walks away before it)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=REPLY_TIMEOUT_S * 3)
-    head = [f"POST /v1/chat/completions HTTP/1.1", f"Host: 127.0.0.1:{server.port}",
+    head = ["POST /v1/chat/completions HTTP/1.1", f"Host: 127.0.0.1:{server.port}",
             f"Content-Length: {len(case.body)}", "Connection: close"]
     if case.content_type is not None:
         head.append(f"Content-Type: {case.content_type}")
