@@ -28,12 +28,22 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 
 @dataclass(frozen=True)
 class MultiModalPlaceholder:
-    """Where one multimodal item sits in the prompt; `mm_hash` identifies its content."""
+    """Where one multimodal item sits in the prompt; `mm_hash` identifies its content.
+
+    The `length` prompt tokens from `offset` on take the item's `length` embeddings instead
+    of token embeddings. `grid` is the item's embedding layout as the model family reads it
+    for positions (Qwen2-VL: (t, h, w) in patches before merging); () where positions are 1-D.
+    """
 
     offset: int
     length: int
     mm_hash: str
     modality: str = "image"
+    grid: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 # Compared by identity: a value comparison of every field made each list removal slow.
