@@ -1,0 +1,148 @@
+"""What the engine needs to know about a vision-language family, in one object per checkpoint.
+
+The engine splits a VLM in two: the vision tower + projector runs in the encoder process, the
+language model in the decoder. The adapter is the seam between them and the frontend:
+
+- preprocessing (CPU, no weights; the frontend's pool and the offline API): turn an image into
+  the pixels the tower takes, a content hash, and a count of embeddings; expand the chat
+  template's one placeholder token per image into as many tokens as the image has embeddings.
+- model side (torch): load only the part each process needs, encode a batch of images, and say
+  where prompt tokens sit (M-RoPE for Qwen2-VL) so the decoder can drive the language model
+  with `inputs_embeds` and get what the full model computes with pixel values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+from transformers import AutoImageProcessor
+
+from engine.mm_inputs import ProcessedImage
+from engine.request import MultiModalPlaceholder
+
+
+class ModelAdapter:
+    family: str = ""
+    # The token the chat template writes once per image, and the template's text for one image.
+    image_token_id: int
+    image_placeholder_text: str
+    # Whether positions are 3-D (time, height, width) M-RoPE; then `prompt_positions` gives them.
+    uses_mrope: bool = False
+
+    def __init__(self, model_path: Path, hf_config):
+        """Reads the image processor's settings from the folder; loads no weights, so the
+        frontend can build one per preprocessing worker cheaply."""
+        self.model_path = Path(model_path)
+        self.hf_config = hf_config
+        # The PIL backend: the torchvision one must never be needed (it is not installed on CPU hosts).
+        self.image_processor = AutoImageProcessor.from_pretrained(self.model_path, backend="pil")
+        # Everything but the image that decides its embeddings, hashed once: every image hash
+        # starts from it, so a changed processor setting or tower config never reuses an entry.
+        identity = {"family": self.family, "model": self._model_identity(),
+                    "processor": json.loads(self.image_processor.to_json_string())}
+        self._identity_digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
+
+    # ---- preprocessing -------------------------------------------------------------------
+
+    def process_image(self, image: PIL.Image.Image) -> ProcessedImage:
+        raise NotImplementedError
+
+    def mm_hash(self, image: PIL.Image.Image) -> str:
+        """sha256 over the model identity, the processor settings, and the decoded image as
+        given: mode, size, palette and transparency (RGB conversion composites transparency
+        onto white, so they change the pixels the tower sees) and the raw pixel bytes. The
+        header fixes the byte count, so the encoding is unambiguous."""
+        header = {"mode": image.mode, "size": list(image.size),
+                  "palette": image.getpalette() if image.mode in ("P", "PA") else None,
+                  "transparency": repr(image.info.get("transparency"))}
+        encoded_header = json.dumps(header, sort_keys=True).encode()
+        hasher = hashlib.sha256(self._identity_digest)
+        hasher.update(len(encoded_header).to_bytes(8, "little"))
+        hasher.update(encoded_header)
+        hasher.update(image.tobytes())
+        return hasher.hexdigest()
+
+    def expand_placeholders(self, token_ids: list[int],
+                            images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalPlaceholder]]:
+        """Repeat each image token `images[k].num_embeddings` times (the k-th image token is the
+        k-th image, as the chat template wrote them) and say where each image's rows are."""
+        positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
+        if len(positions) != len(images):
+            raise ValueError(f"the prompt holds {len(positions)} image placeholder(s) "
+                             f"({self.image_placeholder_text!r}) but {len(images)} image(s) were given")
+        expanded: list[int] = []
+        placeholders: list[MultiModalPlaceholder] = []
+        start = 0
+        for position, image in zip(positions, images):
+            expanded.extend(token_ids[start:position])
+            placeholders.append(MultiModalPlaceholder(offset=len(expanded), length=image.num_embeddings,
+                                                      mm_hash=image.mm_hash, modality=image.modality,
+                                                      grid=image.grid))
+            expanded.extend([self.image_token_id] * image.num_embeddings)
+            start = position + 1
+        expanded.extend(token_ids[start:])
+        return expanded, placeholders
+
+    def max_embeddings_per_item(self) -> int:
+        """The most embeddings one image can make under these processor settings: sizes the
+        encoder cache (it must hold at least one item)."""
+        raise NotImplementedError
+
+    def embedding_size(self) -> int:
+        return self.hf_config.text_config.hidden_size
+
+    # ---- model side ----------------------------------------------------------------------
+
+    def load_vision_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """Only the vision tower + projector, with the checkpoint's weights (the encoder
+        process never allocates the language model)."""
+        raise NotImplementedError
+
+    def encode_images(self, encoder: torch.nn.Module, images: list[ProcessedImage]) -> list[torch.Tensor]:
+        """One forward for the batch; one [num_embeddings, embedding_size()] tensor per image:
+        the rows that replace its placeholder tokens."""
+        raise NotImplementedError
+
+    def load_language_model(self, dtype: torch.dtype, device: torch.device | str,
+                            attn_implementation: str) -> torch.nn.Module:
+        """The model whose forward(inputs_embeds=[1, T, H], position_ids=..., ...) gives .logits,
+        its text attention `attn_implementation`, its vision tower dropped."""
+        raise NotImplementedError
+
+    def prompt_positions(self, num_prompt_tokens: int,
+                         placeholders: list[MultiModalPlaceholder]) -> tuple[np.ndarray, int]:
+        """M-RoPE families only: [3, num_prompt_tokens] int64 positions of the prompt and the
+        delta that places a later token t at t + delta on every axis."""
+        raise NotImplementedError(f"{self.family} uses 1-D positions")
+
+    # ---- for subclasses ------------------------------------------------------------------
+
+    def _model_identity(self) -> dict:
+        """The checkpoint's config values that change an image's embeddings (the vision tower's
+        config by default). Weights are not hashed: one engine serves one checkpoint."""
+        return _config_values(self.hf_config.vision_config)
+
+
+def _config_values(config) -> dict:
+    # Private keys (`_name_or_path`...) and the version stamp say nothing about embeddings.
+    return {key: value for key, value in config.to_dict().items()
+            if not key.startswith("_") and key != "transformers_version"}
+
+
+def load_weights_into(model_class, model_path: Path, dtype: torch.dtype, device, **kwargs) -> torch.nn.Module:
+    """from_pretrained for a class that holds only part of a checkpoint (a vision tower): the
+    checkpoint's other weights are skipped, never allocated. transformers still applies its
+    key renames for the family (old and new checkpoint layouts). A weight the part declares
+    but the checkpoint lacks would be silently random: that is an error here."""
+    model, info = model_class.from_pretrained(model_path, dtype=dtype, device_map=torch.device(device),
+                                              output_loading_info=True, **kwargs)
+    missing = list(info.get("missing_keys", ()))
+    if missing:
+        raise ValueError(f"{model_path}: the checkpoint lacks vision weights {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    return model.eval()
