@@ -125,10 +125,10 @@ class ModelAdapter:
     def _model_identity(self) -> dict:
         """The checkpoint's config values that change an image's embeddings (the vision tower's
         config by default). Weights are not hashed: one engine serves one checkpoint."""
-        return _config_values(self.hf_config.vision_config)
+        return config_values(self.hf_config.vision_config)
 
 
-def _config_values(config) -> dict:
+def config_values(config) -> dict:
     # Private keys (`_name_or_path`...) and the version stamp say nothing about embeddings.
     return {key: value for key, value in config.to_dict().items()
             if not key.startswith("_") and key != "transformers_version"}

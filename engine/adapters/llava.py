@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModel, LlavaForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector, LlavaPreTrainedModel
 
-from engine.adapters.base import ModelAdapter, _config_values, load_weights_into
+from engine.adapters.base import ModelAdapter, config_values, load_weights_into
 from engine.mm_inputs import ProcessedImage
 
 
@@ -79,7 +79,7 @@ class LlavaAdapter(ModelAdapter):
 
     def _model_identity(self) -> dict:
         config = self.hf_config
-        return {"vision": _config_values(config.vision_config),
+        return {"vision": config_values(config.vision_config),
                 "vision_feature_layer": config.vision_feature_layer,
                 "vision_feature_select_strategy": config.vision_feature_select_strategy,
                 "projector_hidden_act": config.projector_hidden_act,

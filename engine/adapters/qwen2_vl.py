@@ -68,6 +68,15 @@ class Qwen2VLAdapter(ModelAdapter):
         super().__init__(model_path, hf_config)
         self.image_token_id = hf_config.image_token_id
         self.merge_size = hf_config.vision_config.spatial_merge_size
+        # The processor lays patches out for the tower's patch and merge sizes; a mismatch would
+        # make wrong embedding counts, caught here rather than as a shape error in the encoder.
+        vision, processor = hf_config.vision_config, self.image_processor
+        if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
+                vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size):
+            raise ValueError(f"{model_path}: the image processor's patch/merge/temporal sizes "
+                             f"({processor.patch_size}, {processor.merge_size}, {processor.temporal_patch_size}) "
+                             f"differ from the vision tower's ({vision.patch_size}, {vision.spatial_merge_size}, "
+                             f"{vision.temporal_patch_size})")
 
     # ---- preprocessing -------------------------------------------------------------------
 
