@@ -40,6 +40,11 @@ class EngineConfig:
     # A step that schedules nothing while requests wait counts as a stall; after this many
     # in a row the head-of-line request fails with an error instead of spinning forever.
     max_stalled_steps: int = 8
+    # Embeddings (image or audio items) the decoder may hold or wait for at once. None
+    # derives it from the model and the token budget (resolve_sizes); 0 turns items off.
+    encoder_cache_size: int | None = None
+    # A request whose item the encoder has not delivered after this long fails.
+    encoder_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")
@@ -50,6 +55,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is reserved), got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.encoder_cache_size is not None and self.encoder_cache_size < 0:
+            raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
+        if not self.encoder_timeout_s > 0:
+            raise ValueError(f"encoder_timeout_s must be > 0, got {self.encoder_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -68,9 +77,24 @@ class ResolvedSizes:
 
     max_model_len: int
     num_kv_blocks: int
+    # Embeddings the decoder may hold at once (0: the model takes no items).
+    encoder_budget: int = 0
 
 
-def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec) -> ResolvedSizes:
+def encoder_budget(config: EngineConfig, max_embeddings_per_item: int) -> int:
+    """Room for what one step can consume (a full token budget of item embeddings, or the
+    largest item if bigger) plus one more largest item: two identical requests in one step
+    whose shared prefix ends in a recomputed block inside an item need that item again while
+    the first one's is still held (vLLM seed 003)."""
+    if not max_embeddings_per_item:
+        return 0
+    if config.encoder_cache_size is not None:
+        return config.encoder_cache_size
+    return max(config.max_num_batched_tokens, max_embeddings_per_item) + max_embeddings_per_item
+
+
+def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec,
+                  max_embeddings_per_item: int = 0) -> ResolvedSizes:
     max_model_len = model_max_len if config.max_model_len is None else config.max_model_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}")
@@ -82,7 +106,7 @@ def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCac
         # models would otherwise take the whole memory budget for nothing.
         most_usable = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
         num_blocks = max(2, min(int(config.kv_cache_memory_gib * GIB) // bytes_per_block, most_usable))
-    sizes = ResolvedSizes(max_model_len, num_blocks)
+    sizes = ResolvedSizes(max_model_len, num_blocks, encoder_budget(config, max_embeddings_per_item))
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len=%d, token budget %d, max %d seqs, "
         "prefix caching %s",
@@ -90,4 +114,7 @@ def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCac
         config.max_num_batched_tokens, config.max_num_seqs,
         "on" if config.enable_prefix_caching else "off",
     )
+    if sizes.encoder_budget:
+        logger.info("Encoder cache budget: %d embeddings (largest item %d)%s", sizes.encoder_budget,
+                    max_embeddings_per_item, "" if config.encoder_cache_size is None else ", set by encoder_cache_size")
     return sizes

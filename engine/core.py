@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.config import EngineConfig, resolve_sizes
-from engine.executor import Executor
+from engine.executor import EmbeddingSource, Executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import EngineStatsSnapshot as EngineStats
 from engine.request import Request, RequestStatus
@@ -23,13 +23,17 @@ from engine.scheduler import EngineCoreOutput, Scheduler
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor,
+                 embedding_source: EmbeddingSource | None = None) -> None:
         self.config = config
         self.executor = executor
-        self.sizes = resolve_sizes(config, executor.model_max_len, executor.kv_cache_spec)
+        self.sizes = resolve_sizes(config, executor.model_max_len, executor.kv_cache_spec,
+                                   executor.max_embeddings_per_item)
         executor.initialize_kv_cache(self.sizes.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.sizes.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len)
+        self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len, self.sizes.encoder_budget)
+        # The encoder: in this process for the offline LLM, or another process's client.
+        self.embedding_source = embedding_source if embedding_source is not None else executor.embedding_source
         use_async = config.async_scheduling
         if use_async is None:
             use_async = executor.is_accelerated
@@ -37,11 +41,46 @@ class EngineCore:
         # The step the executor is running now: (what was scheduled, its future result).
         self._in_flight: tuple | None = None
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, items: list | None = None) -> None:
+        """`items`: the request's preprocessed multimodal items, one per placeholder."""
+        if request.mm_placeholders and self.embedding_source is None:
+            raise ValueError("this model takes no images or audio")
         self.scheduler.add_request(request)
+        if request.mm_placeholders:
+            self.embedding_source.register(request.request_id, items or [])
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        if self.embedding_source is not None:
+            request_ids = list(request_ids)
+            self._release_items(request_ids)
         self.scheduler.abort_requests(request_ids, status)
+
+    def _release_items(self, request_ids) -> None:
+        # By id: a finished request has already left the scheduler; releasing one that
+        # registered nothing is a no-op.
+        for request_id in request_ids:
+            self.embedding_source.release(request_id)
+
+    def _exchange_embeddings(self) -> None:
+        """Ask the encoder for what the next step will need, then take what it delivered."""
+        source = self.embedding_source
+        if source is None:
+            return
+        wanted = self.scheduler.plan_encoder_inputs()
+        if wanted:
+            source.request(wanted)
+        for mm_hash, embeddings, error in source.poll():
+            self.scheduler.on_embeddings(mm_hash, embeddings, error)
+
+    def _schedule(self):
+        self._exchange_embeddings()
+        return self.scheduler.schedule()
+
+    def _update(self, sched, result) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(sched, result)
+        if self.embedding_source is not None:
+            self._release_items([o.request_id for o in outputs if o.finish_reason is not None])
+        return outputs
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -50,17 +89,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._step_thread is not None:
             return self._step_pipelined()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         result = self.executor.execute(sched)
-        return self.scheduler.update_from_output(sched, result)
+        return self._update(sched, result)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
-            self._in_flight = self._submit(self.scheduler.schedule())
+            self._in_flight = self._submit(self._schedule())
         sched, future = self._in_flight
         # Schedule the next step while this one runs.
-        upcoming = self.scheduler.schedule() if self.scheduler.has_unfinished_requests else None
-        outputs = self.scheduler.update_from_output(sched, future.result())
+        upcoming = self._schedule() if self.scheduler.has_unfinished_requests else None
+        outputs = self._update(sched, future.result())
         self._in_flight = self._submit(upcoming) if upcoming is not None else None
         return outputs
 
@@ -83,4 +122,15 @@ class EngineCore:
             prefix_cache_query_tokens=self.kv.stats.query_tokens,
             prefix_cache_hit_tokens=self.kv.stats.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            image_tokens_in=self.scheduler.num_image_tokens_in,
+            encoder_items_requested=self.scheduler.embeddings.num_requested,
+            **self._encoder_cache_stats(),
         )
+
+    def _encoder_cache_stats(self) -> dict:
+        cache = getattr(self.embedding_source, "cache", None)
+        if cache is None:
+            return {}
+        return dict(encoder_items_encoded=cache.stats.items_encoded, encoder_cache_queries=cache.stats.queries,
+                    encoder_cache_hits=cache.stats.hits, encoder_cache_used=cache.used,
+                    encoder_cache_budget=cache.budget)

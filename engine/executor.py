@@ -30,6 +30,24 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+class EmbeddingSource(Protocol):
+    """The encoder, as the engine core sees it: it registers each request's raw items, is
+    asked for embeddings by mm_hash, and delivers them (or an error) when they are ready."""
+
+    def register(self, request_id: str, items: list) -> None:
+        """Keep the request's preprocessed items until `release`, so any of them can be
+        encoded (again, after an eviction) whenever asked."""
+
+    def release(self, request_id: str) -> None:
+        """The request ended: its items may go."""
+
+    def request(self, mm_hashes: list[str]) -> None:
+        """Start making these items' embeddings."""
+
+    def poll(self) -> list[tuple[str, object, str | None]]:
+        """Deliveries since the last poll: (mm_hash, embeddings or None, error or None)."""
+
+
 class Executor(Protocol):
     kv_cache_spec: KVCacheSpec
     # The model's own context length (max_position_embeddings of its text part).
@@ -39,6 +57,11 @@ class Executor(Protocol):
     # True when steps run on an accelerator, where scheduling the next step while this one
     # runs pays off (EngineConfig.async_scheduling=None follows it).
     is_accelerated: bool
+    # The most embeddings one image or audio item can make; 0 for a text-only model.
+    max_embeddings_per_item: int
+    # Where item embeddings come from when the encoder runs in this process (the offline
+    # LLM); None when another process delivers them (the decoder process) or for text.
+    embedding_source: "EmbeddingSource | None"
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the KV pool; called once, before the first step."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 
+from engine.chat_content import split_images
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.llm_engine import LLMEngine, Prompt
@@ -64,8 +65,17 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, chat_template) for c in conversations]
+        prompts = [self.chat_prompt(c, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params)
+
+    def chat_prompt(self, messages: Messages, chat_template: str | None = None) -> Prompt:
+        """The conversation as a prompt: token ids, or with images a dict of token ids and
+        the images (content parts `image_url` with a data URL or local file, or `image`)."""
+        templated, images = split_images(messages)
+        token_ids = self.apply_chat_template(templated, chat_template)
+        if not images:
+            return token_ids
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None) -> list[int]:
         return list(self.tokenizer.apply_chat_template(
@@ -82,7 +92,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         # Validate everything before queuing anything: a bad prompt leaves no half-added batch.
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        except Exception:
+            self.engine.discard_unadded_items()
+            raise
         return [self.engine.add_engine_request(r) for r in requests]
 
 

@@ -12,18 +12,22 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.adapters import adapter_for
 from engine.checkpoint import eos_token_ids, load_tokenizer, resolve_model_path
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.executor import Executor
-from engine.input_processor import make_engine_request, to_request
+from engine.input_processor import expand_images, make_engine_request, to_request
+from engine.media import MediaLimits, check_image_count, load_image
 from engine.output_processor import RequestOutputProcessor
 from engine.outputs import RequestOutput
 from engine.protocol import EngineRequest
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
-# A prompt is text, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
+# A prompt is text, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."},
+# either dict with "multi_modal_data": {"image": [image, ...]} where the prompt holds the
+# model's image placeholder once per image, as its chat template writes it.
 Prompt = str | Sequence[int] | dict
 
 
@@ -34,15 +38,22 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, media_limits: MediaLimits | None = None) -> None:
+        from transformers import AutoConfig
+
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = load_tokenizer(self.model_path)
+        # Preprocessing only (no weights): image placeholders and processors.
+        self.adapter = adapter_for(self.model_path, AutoConfig.from_pretrained(self.model_path))
+        self.media_limits = media_limits if media_limits is not None else MediaLimits()
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.core = EngineCore(config, executor)
         self.vocab_size = executor.vocab_size
         self.max_model_len = self.core.sizes.max_model_len
         self._tracked: dict[str, _Tracked] = {}
+        # Preprocessed items of requests made but not yet added, by request id.
+        self._items: dict[str, list] = {}
         self._ids = itertools.count()
 
     # ---- input ------------------------------------------------------------------------
@@ -76,8 +87,32 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return make_engine_request(request_id, self.tokenize_prompt(prompt), params, self.eos_token_ids,
-                                   self.max_model_len, cache_salt)
+        token_ids = self.tokenize_prompt(prompt)
+        images = self._images_of(prompt)
+        if not images:
+            return make_engine_request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len,
+                                       cache_salt)
+        token_ids, placeholders, items = expand_images(self.adapter, token_ids, images)
+        request = make_engine_request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len,
+                                      cache_salt, placeholders)
+        self._items[request_id] = items
+        return request
+
+    def discard_unadded_items(self) -> None:
+        """Forget the items of requests that were made but will not be added."""
+        self._items.clear()
+
+    def _images_of(self, prompt: Prompt) -> list:
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return []
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data has unsupported modalities: {', '.join(unknown)}")
+        images = data["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        check_image_count(len(images), self.media_limits)
+        return [load_image(image, self.media_limits) for image in images]
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
@@ -85,7 +120,7 @@ class LLMEngine:
 
     def add_engine_request(self, message: EngineRequest) -> str:
         processor = RequestOutputProcessor(self.tokenizer, message.prompt_token_ids, message.sampling_params)
-        self.core.add_request(to_request(message))
+        self.core.add_request(to_request(message), self._items.pop(message.request_id, None))
         self._tracked[message.request_id] = _Tracked(RequestOutput(message.request_id, message.prompt_token_ids),
                                                      processor)
         return message.request_id

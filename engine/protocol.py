@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,8 @@ class EngineRequest(msgspec.Struct, tag="add", kw_only=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int] = []
     cache_salt: str | None = None
+    # Where each image or audio item sits in the prompt; its pixels go to the encoder.
+    mm_placeholders: list[MultiModalPlaceholder] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -56,6 +59,15 @@ class EngineStatsSnapshot(msgspec.Struct, kw_only=True):
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    # Multimodal: image tokens of admitted prompts; items the decoder asked the encoder for;
+    # and, where the encoder runs in the same process, its global cache.
+    image_tokens_in: int = 0
+    encoder_items_requested: int = 0
+    encoder_items_encoded: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_used: int = 0
+    encoder_cache_budget: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

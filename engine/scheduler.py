@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import extend_block_hashes
 from engine.config import EngineConfig
+from engine.embedding_tracker import EmbeddingTracker
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import (ModelRunnerOutput, NewRequestData,
@@ -42,7 +43,8 @@ class EngineCoreOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int,
+                 encoder_budget: int = 0) -> None:
         self.config = config
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
@@ -58,6 +60,12 @@ class Scheduler:
         self.num_preemptions = 0
         # Finished-by-the-scheduler outputs not yet reported (errors found while scheduling).
         self.pending_outputs: list[EngineCoreOutput] = []
+        self.num_image_tokens_in = 0
+        self.embeddings = EmbeddingTracker(encoder_budget, config.encoder_timeout_s, self._is_running)
+
+    def _is_running(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and request.status is RequestStatus.RUNNING
 
     # ---- admission -------------------------------------------------------------------
 
@@ -72,6 +80,11 @@ class Scheduler:
         if needed > self.kv.pool.num_usable_blocks:
             raise ValueError(
                 f"prompt needs {needed} KV blocks but the pool holds {self.kv.pool.num_usable_blocks}")
+        if request.mm_placeholders:
+            if not self.embeddings.budget:
+                raise ValueError("this model takes no images or audio")
+            self.embeddings.check_fits(request)
+            self.num_image_tokens_in += sum(p.length for p in request.mm_placeholders if p.modality == "image")
         extend_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -91,10 +104,58 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- multimodal inputs ------------------------------------------------------------
+
+    def plan_encoder_inputs(self) -> list[str]:
+        """Claim the embeddings that running and waiting requests will need, in that order,
+        and return the item hashes to ask the encoder for. Runs before `schedule`, so an
+        encoder in this process can deliver them for the same step, and one in another
+        process starts on them while the text before them prefills."""
+        tracker = self.embeddings
+        if not tracker.budget:
+            return []
+        for mm_hash in tracker.overdue():
+            self._fail_users(mm_hash, f"the encoder did not deliver an item within "
+                                      f"{self.config.encoder_timeout_s:g} s (encoder_timeout_s)")
+        for request in self.running:
+            if request.mm_placeholders:
+                tracker.claim(request, request.num_computed_tokens, running=True)
+        first = True
+        for request in self.waiting:
+            if not request.mm_placeholders or request.num_output_placeholders:
+                continue
+            computed = request.num_computed_tokens
+            if tracker.holds_all(request, computed):
+                first = False
+                continue
+            if computed == 0:
+                # Items a prefix hit covers are never encoded for this request.
+                computed = len(self.kv.find_cached_prefix(request)) * self.block_size
+            # The first in the queue is served next: it may take room held for later ones.
+            if not tracker.claim(request, computed, running=first):
+                break
+            first = False
+        requested, tracker.to_request = tracker.to_request, []
+        return requested
+
+    def on_embeddings(self, mm_hash: str, embeddings=None, error: str | None = None) -> None:
+        """The encoder delivered an item (or failed it: every request needing it fails)."""
+        if error is not None:
+            self._fail_users(mm_hash, f"encoding failed: {error}")
+        else:
+            self.embeddings.on_arrival(mm_hash, embeddings)
+
+    def _fail_users(self, mm_hash: str, message: str) -> None:
+        for request_id in self.embeddings.users_of(mm_hash):
+            request = self.requests.get(request_id)
+            if request is not None and not request.status.finished:
+                self._fail(request, message)
+
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self.finished_ids)
+        out = SchedulerOutput(finished_request_ids=self.finished_ids,
+                              new_embeddings=self.embeddings.take_arrived())
         self.finished_ids = set()
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -105,6 +166,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                           budget)
+            if request.mm_placeholders and num_new > 0:
+                num_new = self.embeddings.schedulable(request, request.num_computed_tokens, num_new)
             if num_new <= 0 or self._will_have_finished(request):
                 index += 1
                 continue
@@ -123,8 +186,12 @@ class Scheduler:
                 self._advance(request, num_new)
                 budget -= num_new
                 index += 1
+                if request.mm_placeholders:
+                    self.embeddings.release_done(request)
 
-        # Then waiting requests, oldest first, unless memory was just short.
+        # Then waiting requests, oldest first, unless memory was just short. One whose next
+        # tokens are an item still being encoded steps aside for those behind it.
+        awaiting_embeddings: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:
@@ -134,6 +201,11 @@ class Scheduler:
                 cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if request.mm_placeholders:
+                num_new = self.embeddings.schedulable(request, request.num_computed_tokens + num_cached, num_new)
+                if num_new == 0:
+                    awaiting_embeddings.append(self.waiting.popleft())
+                    continue
             if self.kv.allocate_slots(request, num_new, cached_blocks) is None:
                 self._fail_if_never_fits(request)
                 break
@@ -152,6 +224,7 @@ class Scheduler:
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
+                mm_placeholders=request.mm_placeholders,
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
             ))
@@ -159,7 +232,11 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             self._advance(request, num_new)
             budget -= num_new
+            if request.mm_placeholders:
+                self.embeddings.release_done(request)
+        self.waiting.extendleft(reversed(awaiting_embeddings))
 
+        out.free_embeddings = self.embeddings.take_freed()
         self._guard_against_stall(out)
         return out
 
@@ -180,6 +257,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
+        # Its items are claimed again (and fetched from the encoder cache) when it resumes.
+        self.embeddings.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # Tokens of steps still in flight stay pending: they arrive and are kept.
@@ -204,7 +283,8 @@ class Scheduler:
                                 f"{self.kv.pool.num_usable_blocks}; raise num_kv_blocks or lower max_tokens")
 
     def _guard_against_stall(self, out: SchedulerOutput) -> None:
-        if out.num_scheduled_tokens or not self.waiting:
+        # Waiting on the encoder is not a stall: encoder_timeout_s bounds that wait.
+        if out.num_scheduled_tokens or not self.waiting or self.embeddings.num_in_flight:
             self.stalled_steps = 0
             return
         self.stalled_steps += 1
@@ -273,6 +353,8 @@ class Scheduler:
         elif not dequeued and request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if request.mm_placeholders:
+            self.embeddings.release(request)
         if request.request_id in self.known_to_runner:
             self.known_to_runner.discard(request.request_id)
             self.finished_ids.add(request.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    mm_placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +52,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests the runner must forget: finished, aborted or preempted since last step.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Item embeddings (mm_hash -> [n, hidden] tensor) the runner adds before this step, and
+    # the ones it drops after it: no request scheduled later needs them.
+    new_embeddings: dict[str, object] = field(default_factory=dict)
+    free_embeddings: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import torch
 
+from engine.adapters import adapter_for
 from engine.checkpoint import resolve_model_path
-from engine.config import EngineConfig
+from engine.config import EngineConfig, encoder_budget
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.inprocess_encoder import InProcessEncoder
 from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.model_runner import KVCacheShape, ModelRunner
 
 
 class InProcessExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    """`with_encoder`: also load the vision tower here (the offline LLM); the decoder
+    process leaves it to the encoder process."""
+
+    def __init__(self, config: EngineConfig, with_encoder: bool = True) -> None:
         from transformers import AutoConfig
 
         path = resolve_model_path(config.model)
@@ -26,7 +31,13 @@ class InProcessExecutor:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, model_config, device)
         served_len = config.max_model_len if config.max_model_len is not None else self.model_max_len
-        self.model = load_model(path, model_config, dtype, device, served_len)
+        self.adapter = adapter_for(path, model_config)
+        self.model = load_model(path, model_config, dtype, device, served_len, self.adapter)
+        self.max_embeddings_per_item = self.adapter.max_embeddings_per_item() if self.adapter else 0
+        self.embedding_source = None
+        if self.adapter is not None and with_encoder:
+            self.embedding_source = InProcessEncoder(self.adapter, dtype, device,
+                                                     encoder_budget(config, self.max_embeddings_per_item))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.is_accelerated = device.type == "cuda"
@@ -35,7 +46,7 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         spec = self.kv_cache_spec
         self.runner = ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
-                                                           spec.num_kv_heads, spec.head_dim))
+                                                           spec.num_kv_heads, spec.head_dim), self.adapter)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -30,12 +30,16 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
 
 
 def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
-               max_model_len: int) -> torch.nn.Module:
-    """Refuses models needing features the engine lacks (before reading weights), then loads."""
+               max_model_len: int, adapter=None) -> torch.nn.Module:
+    """Refuses models needing features the engine lacks (before reading weights), then loads.
+    A multimodal family loads through its adapter: the language model without the tower."""
     from transformers import AutoModelForCausalLM
 
     check_config_supported(model_config, max_model_len)
-    model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
-                                                 attn_implementation=ATTENTION_NAME)
+    if adapter is not None:
+        model = adapter.load_language_model(dtype, device, ATTENTION_NAME)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
+                                                     attn_implementation=ATTENTION_NAME)
     check_model_supported(model)
     return model.to(device).eval()

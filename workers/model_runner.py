@@ -4,6 +4,11 @@ It keeps its own copy of each request's tokens and block ids, updated from the s
 deltas, so it can run in another process. All scheduled tokens of all requests go through
 the model as one packed sequence; logits are computed only for rows that sample, by the
 model's own forward (logits_to_keep), so its final softcapping or logit scale applies.
+
+For a multimodal model the runner holds the item embeddings the scheduler hands it, feeds
+the model input embeddings in which each item's placeholder rows are that item's embeddings
+(the slice the chunk covers, when a chunk ends inside an item), and computes the family's
+positions (M-RoPE for Qwen2-VL) through its adapter.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan
@@ -30,6 +36,10 @@ class RunnerRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    mm_placeholders: list[MultiModalPlaceholder]
+    # M-RoPE only: the prompt's [3, num_prompt_tokens] positions; later tokens sit at t + delta.
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,14 @@ class KVCacheShape:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape) -> None:
+    def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape, adapter=None) -> None:
         self.model = model
+        # The family's adapter for a multimodal model (engine/adapters/), else None.
+        self.adapter = adapter
+        self.uses_mrope = adapter is not None and adapter.uses_mrope
+        self.embed_tokens = model.get_input_embeddings() if adapter is not None else None
+        # mm_hash -> [n, hidden] embeddings on the device, as long as the scheduler says.
+        self.item_embeddings: dict[str, torch.Tensor] = {}
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_shape.block_size
@@ -64,10 +80,15 @@ class ModelRunner:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in sched.new_requests:
-            self.requests[new.request_id] = RunnerRequest(
+            state = self.requests[new.request_id] = RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens)
+                num_computed_tokens=new.num_computed_tokens, mm_placeholders=list(new.mm_placeholders))
+            if self.uses_mrope and state.mm_placeholders:
+                state.mrope_positions, state.mrope_delta = self.adapter.prompt_positions(
+                    new.num_prompt_tokens, state.mm_placeholders)
+        for mm_hash, embeddings in sched.new_embeddings.items():
+            self.item_embeddings[mm_hash] = embeddings.to(self.device, self.dtype)
         cached = sched.cached_requests
         for request_id, new_block_ids, num_computed in zip(cached.request_ids, cached.new_block_ids,
                                                            cached.num_computed_tokens):
@@ -81,13 +102,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        try:
+            return self._execute(sched)
+        finally:
+            # After the step: it may have used them (also when it failed).
+            for mm_hash in sched.free_embeddings:
+                self.item_embeddings.pop(mm_hash, None)
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if sched.is_empty:
             return ModelRunnerOutput()
         request_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in request_ids]
         batch = self._prepare_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
 
-        logits = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False,
+        if self.adapter is None:
+            inputs = {"input_ids": batch.input_ids}
+        else:
+            inputs = {"inputs_embeds": self._input_embeddings(batch.input_ids, states, batch)}
+        logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
                             logits_to_keep=batch.logits_index, antiphon_attn=batch.attention).logits[0]
         output = ModelRunnerOutput()
         if not batch.sample_rows:
@@ -117,6 +150,7 @@ class ModelRunner:
         for state, start, end in zip(states, starts.tolist(), ends.tolist()):
             input_ids.extend(state.token_ids[start:end])
         positions = np.repeat(starts - query_offsets, counts) + np.arange(total)
+        rope_positions = self._mrope(states, starts, ends, query_offsets, positions) if self.uses_mrope else None
 
         max_blocks = max(len(s.block_ids) for s in states)
         table = np.zeros((num_rows, max_blocks), dtype=np.int64)
@@ -147,12 +181,48 @@ class ModelRunner:
         to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         return PackedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0),
-            positions=to_device(positions).unsqueeze(0),
+            positions=(to_device(positions).unsqueeze(0) if rope_positions is None
+                       else to_device(rope_positions).unsqueeze(1)),
             attention=PagedAttentionMetadata(to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches,
                                              int(ends.max())),
             sample_rows=sample_rows.tolist(),
             logits_index=to_device(logits_index),
+            starts=starts.tolist(),
+            ends=ends.tolist(),
+            query_offsets=query_offsets.tolist(),
         )
+
+    def _mrope(self, states, starts, ends, query_offsets, positions: np.ndarray) -> np.ndarray:
+        """[3, T] positions: text tokens share one position on all three axes; an item's
+        tokens take their (t, h, w) grid positions; tokens after the prompt are shifted by
+        the request's delta."""
+        rope = np.broadcast_to(positions, (3, len(positions))).copy()
+        for state, start, end, q0 in zip(states, starts.tolist(), ends.tolist(), query_offsets.tolist()):
+            if state.mrope_positions is None:
+                continue
+            prompt_end = min(end, state.num_prompt_tokens)
+            if start < prompt_end:
+                rope[:, q0:q0 + prompt_end - start] = state.mrope_positions[:, start:prompt_end]
+            if end > state.num_prompt_tokens:
+                first = max(start, state.num_prompt_tokens)
+                rope[:, q0 + first - start:q0 + end - start] += state.mrope_delta
+        return rope
+
+    def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
+                          batch: "PackedBatch") -> torch.Tensor:
+        """Token embeddings, with each item's rows in this step replaced by its embeddings."""
+        embeds = self.embed_tokens(input_ids)
+        for state, start, end, q0 in zip(states, batch.starts, batch.ends, batch.query_offsets):
+            for item in state.mm_placeholders:
+                lo, hi = max(start, item.offset), min(end, item.end)
+                if lo >= hi:
+                    continue
+                source = self.item_embeddings.get(item.mm_hash)
+                if source is None:
+                    # The scheduler never schedules an item's tokens before its embeddings.
+                    raise RuntimeError(f"embeddings of item {item.mm_hash[:16]} are not in the runner")
+                embeds[0, q0 + lo - start:q0 + hi - start] = source[lo - item.offset:hi - item.offset]
+        return embeds
 
     def _decode_group(self, table: np.ndarray, ends: np.ndarray, query_offsets: np.ndarray,
                       rows: np.ndarray) -> DecodeGroup:
@@ -175,6 +245,10 @@ class PackedBatch:
     attention: PagedAttentionMetadata
     sample_rows: list[int]
     logits_index: torch.Tensor
+    # Per row: first and end position computed this step, and where its tokens start in the batch.
+    starts: list[int]
+    ends: list[int]
+    query_offsets: list[int]
 
 
 def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:

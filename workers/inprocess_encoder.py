@@ -1,0 +1,91 @@
+"""The encoder in this process: vision tower + projector, the global encoder cache, and the
+raw items of live requests. The offline LLM uses it directly; the encoder process wraps the
+same class behind its sockets.
+
+Asked for several items at once, it looks each up in the cache and encodes all the misses
+in one batch. Deliveries wait in a list until the engine core polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.encoder_cache import EncoderCache
+from engine.mm_inputs import ProcessedImage
+
+logger = logging.getLogger("antiphon")
+
+
+class InProcessEncoder:
+    def __init__(self, adapter, dtype: torch.dtype, device: torch.device, cache_budget: int) -> None:
+        self.adapter = adapter
+        self.tower = adapter.load_vision_encoder(dtype, device)
+        self.cache = EncoderCache(cache_budget)
+        # mm_hash -> (item, ids of the live requests that sent it)
+        self._items: dict[str, tuple[ProcessedImage, set[str]]] = {}
+        self._by_request: dict[str, list[str]] = {}
+        self._ready: list[tuple[str, object, str | None]] = []
+
+    # ---- the EmbeddingSource interface (engine/executor.py) ---------------------------------
+
+    def register(self, request_id: str, items: list[ProcessedImage]) -> None:
+        hashes = []
+        for item in items:
+            entry = self._items.setdefault(item.mm_hash, (item, set()))
+            entry[1].add(request_id)
+            hashes.append(item.mm_hash)
+        self._by_request[request_id] = hashes
+
+    def release(self, request_id: str) -> None:
+        for mm_hash in self._by_request.pop(request_id, ()):
+            entry = self._items.get(mm_hash)
+            if entry is not None:
+                entry[1].discard(request_id)
+                if not entry[1]:
+                    del self._items[mm_hash]
+
+    def request(self, mm_hashes: list[str]) -> None:
+        misses = []
+        for mm_hash in mm_hashes:
+            embeddings = self.cache.get(mm_hash)
+            if embeddings is not None:
+                self._ready.append((mm_hash, embeddings, None))
+            elif mm_hash in self._items:
+                misses.append(self._items[mm_hash][0])
+            else:
+                self._ready.append((mm_hash, None, "the item is not known to the encoder (its request ended?)"))
+        if misses:
+            self._ready.extend(self.encode(misses))
+
+    def poll(self) -> list[tuple[str, object, str | None]]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    # ---- encoding ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, items: list[ProcessedImage]) -> list[tuple[str, object, str | None]]:
+        try:
+            outputs = self.adapter.encode_images(self.tower, items)
+        except Exception as exc:  # a bad item must fail its requests, not the engine
+            logger.exception("encoding %d item(s) failed", len(items))
+            return [(item.mm_hash, None, f"{type(exc).__name__}: {exc}") for item in items]
+        self.cache.stats.items_encoded += len(items)
+        results = []
+        for item, embeddings in zip(items, outputs):
+            embeddings = embeddings.detach()
+            self.cache.put(item.mm_hash, embeddings, item.num_embeddings)
+            results.append((item.mm_hash, embeddings, None))
+        return results
+
+    def warm_up(self, batch_sizes: list[int], example: ProcessedImage) -> float:
+        """Run the tower once per batch size the engine will use, so the first real requests
+        do not pay for lazy initialisation (seed 001); returns the seconds it took."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for size in batch_sizes:
+                self.adapter.encode_images(self.tower, [example] * size)
+        return time.perf_counter() - started
