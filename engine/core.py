@@ -40,6 +40,8 @@ class EngineCore:
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="model-runner") if use_async else None
         # The step the executor is running now: (what was scheduled, its future result).
         self._in_flight: tuple | None = None
+        # True when the last step scheduled nothing (every request waits on the encoder).
+        self.last_step_was_empty = False
 
     def add_request(self, request: Request, items: list | None = None) -> None:
         """`items`: the request's preprocessed multimodal items, one per placeholder."""
@@ -74,7 +76,9 @@ class EngineCore:
 
     def _schedule(self):
         self._exchange_embeddings()
-        return self.scheduler.schedule()
+        sched = self.scheduler.schedule()
+        self.last_step_was_empty = sched.is_empty
+        return sched
 
     def _update(self, sched, result) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(sched, result)

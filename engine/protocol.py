@@ -2,7 +2,8 @@
 
 Every process imports these structs; they travel as msgpack over ZeroMQ. Nothing is
 pickled. One decoder step sends one `StepOutputs` carrying the new tokens of every request
-in it.
+in it. Arrays (an item's pixels, its embeddings) travel as separate zero-copy frames after a
+msgpack header that gives their dtype and shape.
 """
 
 from __future__ import annotations
@@ -32,6 +33,48 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 DecoderInput = EngineRequest | AbortRequests | Shutdown
+
+
+class ItemHeader(msgspec.Struct, array_like=True):
+    """One preprocessed item; its pixel array is the next frame of the message."""
+
+    mm_hash: str
+    num_embeddings: int
+    grid: list[int]
+    modality: str
+    dtype: str
+    shape: list[int]
+
+
+class RegisterItems(msgspec.Struct, tag="register"):
+    """Frontend -> encoder: a request's items, kept until released, so the decoder can ask
+    for any of them (again, after an eviction) while the request lives."""
+
+    request_id: str
+    items: list[ItemHeader]
+
+
+class ReleaseItems(msgspec.Struct, tag="release"):
+    request_ids: list[str]
+
+
+class EncodeItems(msgspec.Struct, tag="encode"):
+    """Decoder -> encoder: make (or find in the cache) these items' embeddings."""
+
+    mm_hashes: list[str]
+
+
+EncoderInput = RegisterItems | ReleaseItems | EncodeItems | Shutdown
+
+
+class ItemEmbeddings(msgspec.Struct, tag="embeddings", kw_only=True):
+    """Encoder -> decoder: one item's embeddings (the next frame, raw `dtype` values of
+    `shape`), or why there are none."""
+
+    mm_hash: str
+    dtype: str = ""
+    shape: list[int] = []
+    error: str | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -87,6 +130,17 @@ class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):
     message: str
 
 
+class EncoderStats(msgspec.Struct, tag="encoder_stats", kw_only=True):
+    """The global encoder cache, sent by the encoder with its heartbeats."""
+
+    items_encoded: int = 0
+    cache_queries: int = 0
+    cache_hits: int = 0
+    cache_used: int = 0
+    cache_budget: int = 0
+    cache_items: int = 0
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     """Sent by a worker's main loop (never a side thread) at least every HEARTBEAT_INTERVAL_S
     while it is idle or between steps, so the frontend can tell a hung worker from a busy one."""
@@ -98,11 +152,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
 # How often an idle worker's main loop reports that it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
 
-WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat
+WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat | EncoderStats
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(DecoderInput)
 _output_decoder = msgspec.msgpack.Decoder(WorkerOutput)
+_encoder_input_decoder = msgspec.msgpack.Decoder(EncoderInput)
+_embeddings_decoder = msgspec.msgpack.Decoder(ItemEmbeddings)
 
 
 def encode(message) -> bytes:
@@ -115,3 +171,11 @@ def decode_input(data: bytes) -> DecoderInput:
 
 def decode_output(data: bytes) -> WorkerOutput:
     return _output_decoder.decode(data)
+
+
+def decode_encoder_input(data: bytes) -> EncoderInput:
+    return _encoder_input_decoder.decode(data)
+
+
+def decode_embeddings(data: bytes) -> ItemEmbeddings:
+    return _embeddings_decoder.decode(data)

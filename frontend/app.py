@@ -45,6 +45,15 @@ class AppState:
     realtime_sessions: int = 0
 
 
+def image_adapter(path: Path):
+    """The model family's preprocessing (placeholders, image processor), or None for text."""
+    from transformers import AutoConfig
+
+    from engine.adapters import adapter_for
+
+    return adapter_for(path, AutoConfig.from_pretrained(path))
+
+
 def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
     state = AppState(config, engine_config,
                      EngineClient(engine_config, max_restarts=config.max_worker_restarts,
@@ -63,13 +72,14 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.model_name = path.name
         state.started = int(time.time())
         tokenizer = load_tokenizer(path)
+        adapter = image_adapter(path)
         logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
         await state.client.start()
         max_model_len = state.client.ready["decoder"].max_model_len
         # The same EOS ids as the offline engine: generation_config's, the config's, the tokenizer's.
         eos = eos_token_ids(path, tokenizer)
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
-                                             config.max_prompt_tokens, state.metrics)
+                                             config.max_prompt_tokens, state.metrics, adapter)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
                     "http://%s:%d/v1/chat/completions", state.model_name, host, config.port, host, config.port,
@@ -98,7 +108,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                      state.admission.refused)]
         counters += [(f"antiphon_{worker}_restarts_total", f"Times the {worker} process was restarted.", count)
                      for worker, count in state.client.restarts.items()]
-        return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters),
+        return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters,
+                                                      state.client.encoder_stats),
                                  media_type="text/plain; version=0.0.4")
 
     def authorized(handler):

@@ -11,24 +11,50 @@ from typing import Annotated, Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from frontend.edge_decoding import ContentPart, Count, InvalidInput, Number, Seed, parts_text
+from frontend.edge_decoding import Count, InvalidInput, Number, Seed
 
 Role = Literal["system", "developer", "user", "assistant"]
 TEXT_PART_TYPES = ("text", "input_text")
 
 
+class ImageURL(msgspec.Struct):
+    # A data URL, or a local file under --allowed-local-media-path; the media limits apply later.
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ChatContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+    def as_dict(self) -> dict:
+        """The part as engine/chat_content.py takes it; refuses a type or a missing field."""
+        if self.type in TEXT_PART_TYPES:
+            if self.text is None:
+                raise InvalidInput("a text content part needs a string 'text'", "invalid_value", "messages.content")
+            return {"type": "text", "text": self.text}
+        if self.type == "image_url":
+            if self.image_url is None:
+                raise InvalidInput("an image_url content part needs 'image_url': {'url': ...}", "invalid_value",
+                                   "messages.content")
+            return {"type": "image_url", "image_url": {"url": self.image_url.url}}
+        raise InvalidInput(f"content part type {self.type!r} is not supported; send text or image_url",
+                           "unsupported_content_type", "messages.content")
+
+
 class ChatMessage(msgspec.Struct):
     role: Role
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=4096)] | None = None
+    content: str | Annotated[list[ChatContentPart], msgspec.Meta(max_length=4096)] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        """The message as one string; non-text parts are refused with a clear error."""
+    def content_for_template(self) -> str | list[dict]:
+        """A string, or the parts as dicts (text and images); bad parts are a clear error."""
         if self.content is None:
             raise InvalidInput("a message needs content", "invalid_message", "messages.content")
         if isinstance(self.content, str):
             return self.content
-        return parts_text(self.content, TEXT_PART_TYPES, "messages.content")
+        return [part.as_dict() for part in self.content]
 
 
 class StreamOptions(msgspec.Struct):
@@ -62,7 +88,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     def conversation(self) -> list[dict]:
         if not self.messages:
             raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": m.role, "content": m.content_for_template()} for m in self.messages]
 
     def sampling_params(self, default_max_tokens: int, max_stop_strings: int) -> SamplingParams:
         """A bad value is an InvalidInput naming the field."""

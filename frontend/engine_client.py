@@ -6,9 +6,14 @@ one reads every worker output and routes each request's deltas to that request's
 one batches aborts to the decoder, one watches that each worker still speaks. Each worker
 process also has a task waiting for its exit.
 
+Requests with images register their preprocessed items with the encoder (pixels as frames)
+before they go to the decoder, and release them when they end; the decoder asks the encoder
+for embeddings itself, on sockets of their own.
+
 A worker is lost when its process exits or when it sends nothing (no heartbeat, no step
 output) for `worker_timeout_s`; a silent one is killed. Either way every in-flight request
-ends with an error, /health turns unhealthy with the reason, and the worker is restarted,
+that needed it ends with an error (all of them for the decoder, those with items for the
+encoder), /health turns unhealthy with the reason, and the worker is restarted,
 at most `max_restarts` times per worker in any `restart_window_s`; past that, or if a
 background task dies, the client fails for good and calls `on_fatal` (the server exits
 non-zero).
@@ -31,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from engine import protocol
+from engine.array_frames import item_frames
 from engine.config import EngineConfig
 from frontend.restart_budget import RestartBudget
 
@@ -56,7 +62,8 @@ class EngineClient:
         self.on_fatal = on_fatal
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
         self.context = zmq.asyncio.Context()
-        self.addresses = {name: f"ipc://{self.run_dir}/{name}" for name in ("decoder-in", "encoder-in", "outputs")}
+        self.addresses = {name: f"ipc://{self.run_dir}/{name}"
+                          for name in ("decoder-in", "encoder-in", "outputs", "encoder-asks", "embeddings")}
         self.from_workers = self.context.socket(zmq.PULL)
         self.from_workers.bind(self.addresses["outputs"])
         self.to_workers: dict[str, zmq.asyncio.Socket] = {}
@@ -65,7 +72,11 @@ class EngineClient:
         # finishes, fails or is released.
         self.queues: dict[str, asyncio.Queue] = {}
         self._on_finished: dict[str, object] = {}
+        # Requests whose items the encoder holds for them, until they end.
+        self._with_items: set[str] = set()
+        self._pending_releases: list[str] = []
         self.stats = protocol.EngineStatsSnapshot()
+        self.encoder_stats = protocol.EncoderStats()
         self.ready: dict[str, protocol.WorkerReady] = {}
         self.status = "starting"
         self.budgets = {worker: RestartBudget(max_restarts, restart_window_s) for worker in WORKERS}
@@ -104,10 +115,13 @@ class EngineClient:
         socket = self.context.socket(zmq.PUSH)
         socket.bind(self.addresses[f"{worker}-in"])
         self.to_workers[worker] = socket
+        config = json.dumps(asdict(self.config))
         if worker == "decoder":
-            args = ["-m", "workers.decoder_process", "--config", json.dumps(asdict(self.config))]
+            args = ["-m", "workers.decoder_process", "--config", config,
+                    "--encoder-asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
         else:
-            args = ["-m", "workers.encoder_process"]
+            args = ["-m", "workers.encoder_process", "--config", config,
+                    "--asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
         args += ["--input", self.addresses[f"{worker}-in"], "--output", self.addresses["outputs"]]
         event = self._ready_events[worker] = asyncio.Event()
         process = await asyncio.create_subprocess_exec(sys.executable, *args)
@@ -161,7 +175,12 @@ class EngineClient:
             self.status = reason
         if worker == "decoder":
             self._pending_aborts.clear()  # the decoder that ran them is gone
-        self._fail_in_flight(reason)
+            self._fail_in_flight(reason)
+        else:
+            # Only requests with items needed the encoder; its successor starts empty.
+            self._pending_releases.clear()
+            self._fail_in_flight(reason, only=set(self._with_items))
+            self._with_items.clear()
         self.to_workers[worker].close(linger=0)
 
     def _fail(self, reason: str) -> None:
@@ -213,23 +232,31 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------
 
-    async def add_request(self, request: protocol.EngineRequest, on_finished=None) -> asyncio.Queue:
+    async def add_request(self, request: protocol.EngineRequest, on_finished=None, items=()) -> asyncio.Queue:
         """Registers and sends the request; its deltas arrive on the returned queue.
 
         `on_finished()` runs once the engine is done with it (finished or failed), whether or
         not the reader has taken the last delta: what the request holds server-wide need not
-        wait for a slow reader."""
+        wait for a slow reader. `items`: the request's preprocessed images, registered with the
+        encoder first (one per placeholder of the request)."""
         # Encode before registering: a request that cannot be encoded leaves nothing behind.
         data = protocol.encode(request)
         if not self.healthy:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
         if request.request_id in self.queues:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if items and "encoder" not in self._running:
+            raise EngineUnavailable(f"engine unavailable: {self.status}")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
         if on_finished is not None:
             self._on_finished[request.request_id] = on_finished
         try:
+            if items:
+                self._with_items.add(request.request_id)
+                headers, frames = item_frames(list(items))
+                register = protocol.encode(protocol.RegisterItems(request.request_id, headers))
+                await self._send("encoder", [register, *frames])
             await self._send("decoder", data)
         except BaseException:
             self.release(request.request_id)
@@ -241,14 +268,24 @@ class EngineClient:
         unregister it and have the decoder abort it. Synchronous and idempotent, so a
         done-callback can call it; the abort leaves shortly after, batched with others."""
         self._on_finished.pop(request_id, None)
+        self._release_items(request_id)
         if self.queues.pop(request_id, None) is None:
             return
         if "decoder" in self._running:
             self._pending_aborts.append(request_id)
             self._aborts_wanted.set()
 
-    def _fail_in_flight(self, message: str) -> None:
+    def _release_items(self, request_id: str) -> None:
+        if request_id in self._with_items:
+            self._with_items.discard(request_id)
+            if "encoder" in self._running:
+                self._pending_releases.append(request_id)
+                self._aborts_wanted.set()
+
+    def _fail_in_flight(self, message: str, only: set[str] | None = None) -> None:
         for request_id, queue in list(self.queues.items()):
+            if only is not None and request_id not in only:
+                continue
             queue.put_nowait(protocol.RequestDelta(request_id, [], "error", error=message))
             callback = self._on_finished.pop(request_id, None)
             # A decoder still running (another worker was lost) must stop these too.
@@ -257,16 +294,20 @@ class EngineClient:
                 callback()
 
     def _finished(self, request_id: str) -> None:
+        self._release_items(request_id)
         callback = self._on_finished.pop(request_id, None)
         if callback is not None:
             callback()
 
-    async def _send(self, worker: str, data: bytes) -> None:
+    async def _send(self, worker: str, data: bytes | list) -> None:
         socket = self.to_workers.get(worker)
         if worker not in self._running or socket is None or socket.closed:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
         try:
-            await socket.send(data)
+            if isinstance(data, list):
+                await socket.send_multipart(data, copy=False)
+            else:
+                await socket.send(data)
         except asyncio.CancelledError:
             # Closing the socket (the worker was lost) cancels a pending send; only a
             # cancellation of this task itself goes on as one.
@@ -280,6 +321,12 @@ class EngineClient:
         while True:
             await self._aborts_wanted.wait()
             self._aborts_wanted.clear()
+            released, self._pending_releases = self._pending_releases, []
+            if released:
+                try:
+                    await self._send("encoder", protocol.encode(protocol.ReleaseItems(released)))
+                except EngineUnavailable:
+                    pass  # the encoder is gone, and with it every item it held
             request_ids, self._pending_aborts = self._pending_aborts, []
             if not request_ids:
                 continue
@@ -316,6 +363,8 @@ class EngineClient:
                     self._finished(delta.request_id)
         elif isinstance(message, protocol.Heartbeat):
             self._heard_from(message.worker)
+        elif isinstance(message, protocol.EncoderStats):
+            self.encoder_stats = message
         elif isinstance(message, protocol.WorkerReady):
             self._heard_from(message.worker)
             event = self._ready_events.get(message.worker)

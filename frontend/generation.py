@@ -1,7 +1,8 @@
 """Turns conversations into engine requests and engine deltas into text, for every protocol.
 
 A request is admitted first (a `RequestLease`), then templated and tokenized off the event
-loop, then streamed: each stream detokenizes incrementally, ends on a stop string, and
+loop (its images decoded and preprocessed in a pool of worker threads, never on the loop),
+then streamed: each stream detokenizes incrementally, ends on a stop string, and
 releases its lease (aborting the engine request) however it ends, including when the
 consumer goes away (a cancelled response or a dropped connection).
 """
@@ -20,8 +21,11 @@ import anyio
 from jinja2 import TemplateError
 
 from engine import protocol
-from engine.input_processor import make_engine_request
+from engine.chat_content import split_images
+from engine.input_processor import expand_images, make_engine_request
+from engine.media import MediaError, MediaLimits, check_image_count, load_image
 from engine.output_processor import RequestOutputProcessor
+from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from frontend.admission import Admission, RequestLease
 from frontend.edge_decoding import InvalidInput
@@ -42,11 +46,27 @@ class TextChunk:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
+    num_image_tokens: int = 0
+
+
+@dataclass
+class ChatPrompt:
+    """A templated conversation: its token ids and, with images, where each sits and the
+    preprocessed items for the encoder."""
+
+    token_ids: list[int]
+    placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
+    items: list = field(default_factory=list)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(p.length for p in self.placeholders if p.modality == "image")
 
 
 class GenerationService:
     def __init__(self, client: EngineClient, admission: Admission, tokenizer, eos_token_ids: list[int],
-                 max_model_len: int, max_prompt_tokens: int, metrics: Metrics) -> None:
+                 max_model_len: int, max_prompt_tokens: int, metrics: Metrics, adapter=None,
+                 media_limits: MediaLimits | None = None) -> None:
         self.client = client
         self.admission = admission
         self.tokenizer = tokenizer
@@ -57,6 +77,11 @@ class GenerationService:
         self._ids = itertools.count()
         # Templating a large conversation takes memory and a core: a few at a time.
         self._templating = asyncio.Semaphore(max(2, os.cpu_count() or 2))
+        # Image decoding and preprocessing: the model's adapter (None: text only), the limits,
+        # and a pool as wide as the machine (PIL and numpy release the GIL for the heavy parts).
+        self.adapter = adapter
+        self.media_limits = media_limits if media_limits is not None else MediaLimits()
+        self._preprocessing = anyio.CapacityLimiter(max(1, os.cpu_count() or 1))
         # Refuse at start, not on every request, a tokenizer incremental detokenization cannot use.
         RequestOutputProcessor(tokenizer, [], SamplingParams())
 
@@ -64,10 +89,23 @@ class GenerationService:
         """Claim a slot for a new request before any work is done for it (raises AdmissionRefused)."""
         return self.admission.admit(self.client, request_id)
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Apply the chat template in a worker thread. `messages`: role and text content, already checked."""
+    async def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+        """Apply the chat template in a worker thread, and decode and preprocess the images
+        in the pool. `messages`: roles and content (a string or text/image parts), already
+        type-checked at the edge."""
         if not messages:
             raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
+        try:
+            messages, images = split_images(messages)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), "invalid_content", "messages") from None
+        if images:
+            if self.adapter is None:
+                raise InvalidInput("this model takes no images", "unsupported_content_type", "messages")
+            try:
+                check_image_count(len(images), self.media_limits)
+            except MediaError as exc:
+                raise InvalidInput(str(exc), exc.code, "messages") from None
         try:
             async with self._templating:
                 token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
@@ -76,8 +114,27 @@ class GenerationService:
             # message where none may go): the client's conversation, not a server fault.
             raise InvalidInput(f"the model's chat template refused this conversation: {exc}",
                                "invalid_conversation", "messages") from None
-        self.check_prompt(token_ids)
-        return token_ids
+        if not images:
+            self.check_prompt(token_ids)
+            return ChatPrompt(token_ids)
+        prompt = await self._with_images(token_ids, images)
+        self.check_prompt(prompt.token_ids)
+        return prompt
+
+    async def _with_images(self, token_ids: list[int], sources: list) -> ChatPrompt:
+        # One request's images in one pool thread: requests run side by side, and a request
+        # cannot take every thread of the pool.
+        try:
+            return await anyio.to_thread.run_sync(self._preprocess, token_ids, sources, limiter=self._preprocessing)
+        except MediaError as exc:
+            raise InvalidInput(str(exc), exc.code, "messages") from None
+        except ValueError as exc:
+            raise InvalidInput(str(exc), "invalid_image", "messages") from None
+
+    def _preprocess(self, token_ids: list[int], sources: list) -> ChatPrompt:
+        images = [load_image(source, self.media_limits) for source in sources]
+        token_ids, placeholders, items = expand_images(self.adapter, token_ids, images)
+        return ChatPrompt(token_ids, placeholders, items)
 
     def _apply_template(self, messages: list[dict]) -> list[int]:
         normalized = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
@@ -96,17 +153,20 @@ class GenerationService:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
 
-    async def stream(self, lease: RequestLease, token_ids: list[int], params: SamplingParams,
+    async def stream(self, lease: RequestLease, prompt: ChatPrompt | list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
+        if not isinstance(prompt, ChatPrompt):
+            prompt = ChatPrompt(list(prompt))
+        token_ids = prompt.token_ids
         try:
             request = make_engine_request(lease.request_id, token_ids, params, self.eos_token_ids,
-                                          self.max_model_len, cache_salt)
+                                          self.max_model_len, cache_salt, prompt.placeholders)
         except ValueError as exc:
             raise InvalidInput(str(exc), "prompt_too_long", "messages") from None
         output = RequestOutputProcessor(self.tokenizer, token_ids, request.sampling_params)
         started = time.monotonic()
         # The slot frees when the engine is done, even if this stream's reader lags behind.
-        queue = await self.client.add_request(request, on_finished=lease.release)
+        queue = await self.client.add_request(request, on_finished=lease.release, items=prompt.items)
         self.metrics.request_started()
         num_output, cached, last_token_time = 0, 0, None
         finished = False
@@ -126,7 +186,7 @@ class GenerationService:
                 finished, finish = update.finished, update.finish_reason
                 chunk = TextChunk(update.text, update.token_ids, finish, update.stop_reason, delta.error,
                                   len(token_ids), num_output, cached,
-                                  (delta.logprobs or [])[:len(update.token_ids)])
+                                  (delta.logprobs or [])[:len(update.token_ids)], prompt.num_image_tokens)
                 if finished:
                     self.metrics.request_finished(finish, len(token_ids), num_output, cached)
                     # Before the last yield: a stop string ends the engine request now, not

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from engine.protocol import EngineStatsSnapshot
+from engine.protocol import EncoderStats, EngineStatsSnapshot
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      10.0, 30.0)
@@ -62,7 +62,7 @@ class Metrics:
         self.itl.observe(seconds)
 
     def render(self, stats: EngineStatsSnapshot, healthy: bool, server_gauges: list[tuple[str, str, float]] = (),
-               server_counters: list[tuple[str, str, float]] = ()) -> str:
+               server_counters: list[tuple[str, str, float]] = (), encoder: EncoderStats | None = None) -> str:
         """`server_gauges` / `server_counters`: (name, help, value) owned by the server, not the engine."""
         lines = [
             "# HELP antiphon_requests_total Finished requests by finish reason.",
@@ -78,6 +78,12 @@ class Metrics:
             ("antiphon_healthy", "1 when every worker is up.", int(healthy)),
             *server_gauges,
         ]
+        encoder = encoder if encoder is not None else EncoderStats()
+        gauges += [
+            ("antiphon_encoder_cache_usage", "Embeddings held in the global encoder cache.", encoder.cache_used),
+            ("antiphon_encoder_cache_budget", "Embeddings the global encoder cache may hold.", encoder.cache_budget),
+            ("antiphon_encoder_cache_items", "Items held in the global encoder cache.", encoder.cache_items),
+        ]
         counters = [
             ("antiphon_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
             ("antiphon_generation_tokens_total", "Generated tokens of finished requests.", self.generation_tokens),
@@ -86,6 +92,12 @@ class Metrics:
             ("antiphon_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
              stats.prefix_cache_hit_tokens),
             ("antiphon_preemptions_total", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+            ("antiphon_image_tokens_total", "Image tokens in admitted prompts.", stats.image_tokens_in),
+            ("antiphon_encoder_items_requested_total", "Items the decoder asked the encoder for (not covered "
+             "by the prefix cache, nor already held for another request).", stats.encoder_items_requested),
+            ("antiphon_encoder_items_encoded_total", "Items the vision encoder ran on.", encoder.items_encoded),
+            ("antiphon_encoder_cache_queries_total", "Lookups in the global encoder cache.", encoder.cache_queries),
+            ("antiphon_encoder_cache_hits_total", "Lookups the global encoder cache answered.", encoder.cache_hits),
             *server_counters,
         ]
         for name, help_text, value in gauges:

@@ -205,9 +205,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _usage(chunk: TextChunk) -> dict:
+    details = {"cached_tokens": chunk.num_cached_tokens}
+    if chunk.num_image_tokens:
+        details["image_tokens"] = chunk.num_image_tokens
     return {"prompt_tokens": chunk.num_prompt_tokens, "completion_tokens": chunk.num_output_tokens,
-            "total_tokens": chunk.num_prompt_tokens + chunk.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": chunk.num_cached_tokens}}
+            "total_tokens": chunk.num_prompt_tokens + chunk.num_output_tokens, "prompt_tokens_details": details}
 
 
 def _sse_data(payload: dict) -> str:

@@ -118,13 +118,15 @@ def test_encoder_crash_does_not_spend_the_decoders_restart_budget(tiny_llama, tm
         server.stop()
 
 
-def test_encoder_beats_while_inputs_keep_arriving(tmp_path):
+def test_encoder_beats_while_inputs_keep_arriving(tmp_path, tiny_llama):
     context = zmq.Context()
     to_encoder, from_encoder = context.socket(zmq.PUSH), context.socket(zmq.PULL)
     to_encoder.bind(f"ipc://{tmp_path}/in")
     from_encoder.bind(f"ipc://{tmp_path}/out")
     encoder = subprocess.Popen([sys.executable, "-m", "workers.encoder_process", "--input", f"ipc://{tmp_path}/in",
-                                "--output", f"ipc://{tmp_path}/out"], cwd=REPO)
+                                "--output", f"ipc://{tmp_path}/out", "--asks", f"ipc://{tmp_path}/asks",
+                                "--embeddings", f"ipc://{tmp_path}/embeddings",
+                                "--config", json.dumps({"model": str(tiny_llama)})], cwd=REPO)
     try:
         assert from_encoder.poll(60_000), "the encoder never reported ready"
         assert isinstance(protocol.decode_output(from_encoder.recv()), protocol.WorkerReady)
@@ -132,7 +134,7 @@ def test_encoder_beats_while_inputs_keep_arriving(tmp_path):
         deadline = time.monotonic() + 3.5
         while time.monotonic() < deadline:
             # An input more often than the heartbeat interval.
-            to_encoder.send(protocol.encode(protocol.AbortRequests([])))
+            to_encoder.send(protocol.encode(protocol.ReleaseItems([])))
             while from_encoder.poll(200):
                 beats += isinstance(protocol.decode_output(from_encoder.recv()), protocol.Heartbeat)
         assert beats >= 2

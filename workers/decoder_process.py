@@ -4,7 +4,12 @@ It pulls requests and aborts from the frontend, runs engine steps while there is
 pushes one StepOutputs message per step. Requests the engine refuses (too long, pool too
 small) come back at once as an error delta; they never crash the loop.
 
-Run by the frontend as `python -m workers.decoder_process --config JSON`.
+For a multimodal model the decoder asks the encoder process for item embeddings and
+receives them on its own socket (workers/remote_encoder.py); while every request waits for
+the encoder, the loop sleeps on its sockets instead of spinning.
+
+Run by the frontend as `python -m workers.decoder_process --config JSON --input ADDR
+--output ADDR --encoder-asks ADDR --embeddings ADDR`.
 """
 
 from __future__ import annotations
@@ -36,14 +41,23 @@ IDLE_POLL_MS = int(protocol.HEARTBEAT_INTERVAL_S * 1000)
 # new request that arrives meanwhile) before the next step: once per request, not per token.
 FIRST_TOKEN_HANDOFF_MS = 2
 
+# With work that waits only on the encoder, the loop wakes on any message or after this long
+# (to run the scheduler's timeout checks).
+WAIT_FOR_ENCODER_MS = 100
+
 
 class DecoderWorker:
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str,
+                 encoder_asks_address: str | None = None, embeddings_address: str | None = None) -> None:
         self.context = zmq.Context()
         self.inputs = self.context.socket(zmq.PULL)
         self.inputs.connect(input_address)
         self.outputs = self.context.socket(zmq.PUSH)
         self.outputs.connect(output_address)
+        self.encoder_addresses = (encoder_asks_address, embeddings_address)
+        self.remote_encoder = None
+        self.poller = zmq.Poller()
+        self.poller.register(self.inputs, zmq.POLLIN)
         self.config = config
         self.core = None
         self.handoff_ms = 0
@@ -55,9 +69,15 @@ class DecoderWorker:
         from engine.core import EngineCore
         from workers.inprocess_executor import InProcessExecutor
 
-        # The same core around the same executor as the offline LLM.
-        executor = InProcessExecutor(self.config)
-        self.core = EngineCore(self.config, executor)
+        # The same core around the same executor as the offline LLM; the vision tower lives
+        # in the encoder process.
+        executor = InProcessExecutor(self.config, with_encoder=False)
+        if executor.adapter is not None and all(self.encoder_addresses):
+            from workers.remote_encoder import RemoteEncoder
+
+            self.remote_encoder = RemoteEncoder(self.context, *self.encoder_addresses)
+            self.poller.register(self.remote_encoder.embeddings, zmq.POLLIN)
+        self.core = EngineCore(self.config, executor, self.remote_encoder)
         self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
@@ -68,15 +88,21 @@ class DecoderWorker:
         while True:
             # Block while idle; with work in flight, only take what has already arrived
             # (or what arrives during a first-token hand-off).
-            while self.inputs.poll(timeout):
+            # (Embeddings that arrive are taken by the core's next step.)
+            while self.inputs in dict(self.poller.poll(timeout)):
                 if not self._handle(protocol.decode_input(self.inputs.recv())):
                     return
                 timeout = 0
             if self.core.has_unfinished_requests:
                 gave_first_tokens = self._step()
                 timeout = self.handoff_ms if gave_first_tokens else 0
+                if self.core.last_step_was_empty:
+                    # Every request waits for the encoder: sleep until something arrives.
+                    timeout = WAIT_FOR_ENCODER_MS
             else:
                 timeout = IDLE_POLL_MS
+                if self.remote_encoder is not None:
+                    self.remote_encoder.poll()  # late embeddings of requests that ended: nobody needs them
             # Sent from this loop, never from a side thread: a loop that hangs stops beating.
             if time.monotonic() - self._last_sent >= protocol.HEARTBEAT_INTERVAL_S:
                 self._send_message(protocol.Heartbeat(worker="decoder", pid=os.getpid()))
@@ -127,6 +153,8 @@ class DecoderWorker:
     def close(self) -> None:
         if self.core is not None:
             self.core.close()
+        if self.remote_encoder is not None:
+            self.remote_encoder.close()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.context.term()
@@ -137,11 +165,14 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--encoder-asks")
+    parser.add_argument("--embeddings")
     args = parser.parse_args()
     die_with_parent()
     exit_on_signals()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
-    worker = DecoderWorker(EngineConfig(**json.loads(args.config)), args.input, args.output)
+    worker = DecoderWorker(EngineConfig(**json.loads(args.config)), args.input, args.output,
+                           args.encoder_asks, args.embeddings)
     try:
         worker.load()
         worker.run()

@@ -1,56 +1,199 @@
-"""The encoder process: vision and audio towers with the global encoder cache.
+"""The encoder process: the vision tower with the global encoder cache.
 
-Text-only models have no tower, so this process loads nothing: it reports ready and waits
-for shutdown. The multimodal work fills it in; the process, its sockets and its lifecycle
-are already part of every deployment.
+The frontend registers each request's preprocessed items (pixels as frames) and releases
+them when the request ends; the decoder asks for embeddings by mm_hash and gets them back
+as frames on its own socket. Every ask that has arrived is served in one batch: cache hits
+at once, misses encoded together. An ask for an item not registered yet (the decoder's ask
+can overtake the frontend's registration: they travel on different sockets) waits for it.
+Text-only models have no tower: the process then only answers heartbeats.
 
-Run by the frontend as `python -m workers.encoder_process --input ADDR --output ADDR`.
+Run by the frontend as `python -m workers.encoder_process --config JSON --input ADDR
+--asks ADDR --embeddings ADDR --output ADDR`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import time
+import traceback
 
+import msgspec
 import zmq
 
 from engine import protocol
+from engine.array_frames import items_from_frames, tensor_frame
+from engine.config import EngineConfig, encoder_budget
 from workers.process_guard import die_with_parent, exit_on_signals
+
+logger = logging.getLogger("antiphon.encoder")
+
+# Batch sizes warmed up at start (seed 001): the first real batch of each size would
+# otherwise pay for lazy initialisation. Larger batches are split into these.
+WARM_UP_BATCH_SIZES = (1, 2, 4, 8)
+
+
+class EncoderWorker:
+    def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
+        self.config = config
+        self.context = zmq.Context()
+        self.inputs = self.context.socket(zmq.PULL)  # from the frontend
+        self.inputs.connect(addresses.input)
+        self.asks = self.context.socket(zmq.PULL)  # from the decoder
+        self.asks.bind(addresses.asks)
+        self.embeddings = self.context.socket(zmq.PUSH)  # to the decoder
+        self.embeddings.connect(addresses.embeddings)
+        self.outputs = self.context.socket(zmq.PUSH)  # to the frontend
+        self.outputs.connect(addresses.output)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inputs, zmq.POLLIN)
+        self.poller.register(self.asks, zmq.POLLIN)
+        self.encoder = None
+        # Asked for before registered: mm_hash -> when asked.
+        self.waiting_asks: dict[str, float] = {}
+        self._last_beat = 0.0
+
+    def load(self) -> None:
+        from transformers import AutoConfig
+
+        from engine.adapters import adapter_for
+        from engine.checkpoint import resolve_model_path
+        from workers.inprocess_encoder import InProcessEncoder
+        from workers.model_loader import resolve_device, resolve_dtype
+
+        path = resolve_model_path(self.config.model)
+        model_config = AutoConfig.from_pretrained(path)
+        adapter = adapter_for(path, model_config)
+        if adapter is not None:
+            device = resolve_device(self.config.device)
+            dtype = resolve_dtype(self.config.dtype, model_config, device)
+            budget = encoder_budget(self.config, adapter.max_embeddings_per_item())
+            self.encoder = InProcessEncoder(adapter, dtype, device, budget)
+            seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), adapter.warm_up_item())
+            logger.info("vision encoder of %s loaded; cache budget %d embeddings; warmed up batch sizes %s "
+                        "in %.2f s", path.name, budget, list(WARM_UP_BATCH_SIZES), seconds)
+        self.outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
+
+    def run(self) -> None:
+        while True:
+            wait_ms = max(0, int((self._last_beat + protocol.HEARTBEAT_INTERVAL_S - time.monotonic()) * 1000))
+            ready = dict(self.poller.poll(wait_ms))
+            asked: list[str] = []
+            # Take everything that has arrived, then encode it as one batch.
+            while self.inputs in ready or self.asks in ready:
+                if self.inputs in ready and not self._handle_input(self.inputs.recv_multipart(copy=False)):
+                    return
+                if self.asks in ready:
+                    asked += self._decode_ask(self.asks.recv())
+                ready = dict(self.poller.poll(0))
+            self._serve(asked)
+            # Beat on a clock, not only when idle: a steady stream of inputs must not keep
+            # the frontend from hearing that this loop is alive.
+            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
+                self._beat()
+
+    def _handle_input(self, frames) -> bool:
+        try:
+            message = protocol.decode_encoder_input(frames[0].bytes)
+        except msgspec.DecodeError as exc:
+            logger.error("skipped an undecodable input (%d bytes): %s", len(frames[0].bytes), exc)
+            return True
+        if isinstance(message, protocol.Shutdown):
+            return False
+        if self.encoder is None:
+            return True
+        if isinstance(message, protocol.RegisterItems):
+            try:
+                items = items_from_frames(message.items, [f.buffer for f in frames[1:]])
+            except ValueError as exc:
+                logger.error("request %s: items refused: %s", message.request_id, exc)
+                return True
+            self.encoder.register(message.request_id, items)
+        elif isinstance(message, protocol.ReleaseItems):
+            for request_id in message.request_ids:
+                self.encoder.release(request_id)
+        return True
+
+    @staticmethod
+    def _decode_ask(data: bytes) -> list[str]:
+        try:
+            message = protocol.decode_encoder_input(data)
+        except msgspec.DecodeError as exc:
+            logger.error("skipped an undecodable ask (%d bytes): %s", len(data), exc)
+            return []
+        return list(message.mm_hashes) if isinstance(message, protocol.EncodeItems) else []
+
+    def _serve(self, asked: list[str]) -> None:
+        if self.encoder is None:
+            for mm_hash in asked:
+                self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="this model takes no images"))
+            return
+        now = time.monotonic()
+        for mm_hash in asked:
+            self.waiting_asks.setdefault(mm_hash, now)
+        ready = [h for h in self.waiting_asks if self.encoder.knows(h)]
+        for mm_hash in ready:
+            del self.waiting_asks[mm_hash]
+        for mm_hash, started in list(self.waiting_asks.items()):
+            if now - started > self.config.encoder_timeout_s:
+                del self.waiting_asks[mm_hash]
+                self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="the item was never registered"))
+        for start in range(0, len(ready), WARM_UP_BATCH_SIZES[-1]):
+            self.encoder.request(ready[start:start + WARM_UP_BATCH_SIZES[-1]])
+            for mm_hash, embeddings, error in self.encoder.poll():
+                if error is not None:
+                    self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error=error))
+                else:
+                    header, frame = tensor_frame(mm_hash, embeddings)
+                    self.embeddings.send_multipart([protocol.encode(header), frame], copy=False)
+        if ready:
+            self._send_stats()  # /metrics follows each batch, not only the heartbeat
+
+    def _send(self, message: protocol.ItemEmbeddings) -> None:
+        self.embeddings.send(protocol.encode(message))
+
+    def _beat(self) -> None:
+        self.outputs.send(protocol.encode(protocol.Heartbeat(worker="encoder", pid=os.getpid())))
+        if self.encoder is not None:
+            self._send_stats()
+        self._last_beat = time.monotonic()
+
+    def _send_stats(self) -> None:
+        cache = self.encoder.cache
+        self.outputs.send(protocol.encode(protocol.EncoderStats(
+            items_encoded=cache.stats.items_encoded, cache_queries=cache.stats.queries, cache_hits=cache.stats.hits,
+            cache_used=cache.used, cache_budget=cache.budget, cache_items=len(cache))))
+
+    def close(self) -> None:
+        for socket in (self.inputs, self.asks, self.embeddings, self.outputs):
+            socket.close(linger=0)
+        self.context.term()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    for name in ("input", "asks", "embeddings", "output"):
+        parser.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
     die_with_parent()
     exit_on_signals()
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(args.input)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(args.output)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s encoder %(levelname)s %(message)s")
+    worker = EncoderWorker(EngineConfig(**json.loads(args.config)), args)
     try:
-        outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
-        heartbeat = protocol.encode(protocol.Heartbeat(worker="encoder", pid=os.getpid()))
-        last_sent = time.monotonic()
-        while True:
-            # Beat on a clock, not only when idle: a steady stream of inputs must not keep
-            # the frontend from hearing that this loop is alive.
-            wait_ms = max(0, int((last_sent + protocol.HEARTBEAT_INTERVAL_S - time.monotonic()) * 1000))
-            if inputs.poll(wait_ms):
-                if isinstance(protocol.decode_input(inputs.recv()), protocol.Shutdown):
-                    break
-            if time.monotonic() - last_sent >= protocol.HEARTBEAT_INTERVAL_S:
-                outputs.send(heartbeat)
-                last_sent = time.monotonic()
+        worker.load()
+        worker.run()
     except SystemExit:
         pass
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("encoder failed:\n%s", message)
+        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="encoder", message=message)))
+        raise
     finally:
-        inputs.close(linger=0)
-        outputs.close(linger=0)
-        context.term()
+        worker.close()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ class InProcessEncoder:
         if misses:
             self._ready.extend(self.encode(misses))
 
+    def knows(self, mm_hash: str) -> bool:
+        """Whether an ask for this item can be served (cached, or registered by a live request)."""
+        return mm_hash in self.cache or mm_hash in self._items
+
     def poll(self) -> list[tuple[str, object, str | None]]:
         ready, self._ready = self._ready, []
         return ready

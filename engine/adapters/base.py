@@ -52,6 +52,10 @@ class ModelAdapter:
     def process_image(self, image: PIL.Image.Image) -> ProcessedImage:
         raise NotImplementedError
 
+    def warm_up_item(self) -> ProcessedImage:
+        """A plain mid-sized image, for the encoder's start-up warm-up."""
+        return self.process_image(PIL.Image.new("RGB", (224, 224), (127, 127, 127)))
+
     def mm_hash(self, image: PIL.Image.Image) -> str:
         """sha256 over the model identity, the processor settings, and the decoded image as
         given: mode, size, palette and transparency (RGB conversion composites transparency

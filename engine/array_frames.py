@@ -1,0 +1,59 @@
+"""Arrays as ZeroMQ frames: a msgpack header gives dtype and shape, the bytes travel as
+their own frame (never pickled, never copied into the header).
+
+Pixels are numpy arrays (the frontend has no torch to spare); embeddings are torch tensors,
+sent as raw bytes with torch's dtype name, since numpy has no bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import protocol
+from engine.mm_inputs import ProcessedImage
+
+
+def item_frames(items: list[ProcessedImage]) -> tuple[list[protocol.ItemHeader], list[memoryview]]:
+    headers, frames = [], []
+    for item in items:
+        pixels = np.ascontiguousarray(item.pixel_values)
+        headers.append(protocol.ItemHeader(item.mm_hash, item.num_embeddings, list(item.grid), item.modality,
+                                           pixels.dtype.str, list(pixels.shape)))
+        frames.append(memoryview(pixels).cast("B"))
+    return headers, frames
+
+
+def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[ProcessedImage]:
+    """Raises ValueError if a frame does not match its header."""
+    if len(frames) != len(headers):
+        raise ValueError(f"{len(headers)} item headers but {len(frames)} frames")
+    items = []
+    for header, frame in zip(headers, frames):
+        dtype = np.dtype(header.dtype)
+        if dtype.kind not in "fiu":
+            raise ValueError(f"item {header.mm_hash[:16]} has a non-numeric dtype {header.dtype}")
+        pixels = np.frombuffer(frame, dtype=dtype).reshape(header.shape)
+        items.append(ProcessedImage(header.mm_hash, header.num_embeddings, pixels, tuple(header.grid),
+                                    header.modality))
+    return items
+
+
+def tensor_frame(mm_hash: str, tensor) -> tuple[protocol.ItemEmbeddings, memoryview]:
+    import torch
+
+    tensor = tensor.detach().contiguous().cpu()
+    raw = tensor.reshape(-1).view(torch.uint8)
+    header = protocol.ItemEmbeddings(mm_hash=mm_hash, dtype=str(tensor.dtype).removeprefix("torch."),
+                                     shape=list(tensor.shape))
+    return header, memoryview(raw.numpy()).cast("B")
+
+
+def tensor_from_frame(header: protocol.ItemEmbeddings, frame):
+    import torch
+
+    dtype = getattr(torch, header.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {header.dtype!r}")
+    # frombuffer shares the frame's memory; the frame object is kept alive by the tensor.
+    return torch.frombuffer(bytearray(frame) if isinstance(frame, bytes) else frame,
+                            dtype=dtype).reshape(header.shape)
