@@ -45,6 +45,9 @@ class EngineConfig:
     encoder_cache_size: int | None = None
     # A request whose item the encoder has not delivered after this long fails.
     encoder_timeout_s: float = 60.0
+    # The global cross-request encoder cache (off: every ask of the decoder runs the tower;
+    # for measuring what the cache saves).
+    enable_encoder_cache: bool = True
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")
@@ -91,6 +94,11 @@ def encoder_budget(config: EngineConfig, max_embeddings_per_item: int) -> int:
     if config.encoder_cache_size is not None:
         return config.encoder_cache_size
     return max(config.max_num_batched_tokens, max_embeddings_per_item) + max_embeddings_per_item
+
+
+def global_encoder_cache_size(config: EngineConfig, max_embeddings_per_item: int) -> int:
+    """The encoder's global cache: the same budget, or nothing when turned off."""
+    return encoder_budget(config, max_embeddings_per_item) if config.enable_encoder_cache else 0
 
 
 def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec,

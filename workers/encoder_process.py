@@ -25,7 +25,7 @@ import zmq
 
 from engine import protocol
 from engine.array_frames import items_from_frames, tensor_frame
-from engine.config import EngineConfig, encoder_budget
+from engine.config import EngineConfig, global_encoder_cache_size
 from workers.process_guard import die_with_parent, exit_on_signals
 
 logger = logging.getLogger("antiphon.encoder")
@@ -69,7 +69,7 @@ class EncoderWorker:
         if adapter is not None:
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, model_config, device)
-            budget = encoder_budget(self.config, adapter.max_embeddings_per_item())
+            budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item())
             self.encoder = InProcessEncoder(adapter, dtype, device, budget)
             seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), adapter.warm_up_item())
             logger.info("vision encoder of %s loaded; cache budget %d embeddings; warmed up batch sizes %s "

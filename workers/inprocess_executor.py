@@ -10,7 +10,7 @@ import torch
 
 from engine.adapters import adapter_for
 from engine.checkpoint import resolve_model_path
-from engine.config import EngineConfig, encoder_budget
+from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
@@ -36,8 +36,8 @@ class InProcessExecutor:
         self.max_embeddings_per_item = self.adapter.max_embeddings_per_item() if self.adapter else 0
         self.embedding_source = None
         if self.adapter is not None and with_encoder:
-            self.embedding_source = InProcessEncoder(self.adapter, dtype, device,
-                                                     encoder_budget(config, self.max_embeddings_per_item))
+            self.embedding_source = InProcessEncoder(self.adapter, dtype, device, global_encoder_cache_size(
+                config, self.max_embeddings_per_item))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.is_accelerated = device.type == "cuda"
