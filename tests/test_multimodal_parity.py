@@ -163,3 +163,27 @@ def test_text_only_model_refuses_images(tiny_llama):
     llm = LLM(str(tiny_llama))
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate(as_prompt("hi", [picture(1)]))
+
+
+def test_identical_requests_whose_shared_last_block_holds_the_image_end(tiny_vlms, references):
+    # seed 003: the prompt is a whole number of blocks, the image ends in its last block and
+    # the token budget splits the image. The second request's prefix hit stops one block
+    # short and recomputes image tokens in the same step as the first one's last chunk.
+    path = tiny_vlms["qwen2_vl"]
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=10)
+    image = llm.engine.adapter.image_placeholder_text
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for padding in range(4):
+        text = "x" * padding + f"Look {image}"
+        probe = llm.engine.make_request(as_prompt(text, [picture(30)]), params, request_id=f"probe-{padding}")
+        llm.engine.discard_unadded_items()
+        item = probe.mm_placeholders[0]
+        if len(probe.prompt_token_ids) % 4 == 0 and item.end > len(probe.prompt_token_ids) - 4:
+            break
+    else:
+        pytest.fail("no padding made the prompt a whole number of blocks ending in the image")
+    outs = llm.generate([as_prompt(text, [picture(30)])] * 2, params)
+    expected = hf_vlm_greedy(path, text, [picture(30)], MAX_TOKENS)
+    assert [o.token_ids for o in outs] == [expected, expected]
+    assert outs[1].num_cached_tokens > 0
+    assert llm.engine.stats().encoder_items_encoded == 1
