@@ -8,17 +8,32 @@
         print(response.status, response.usage)
 
 Messages sent to `create_response` join the connection's conversation, so a second call
-continues it. `response.cancel()` stops a response early.
+continues it. `response.cancel()` stops a response early. A message's content is a string or
+a list of parts: text, and images as `image_part(path or bytes)` (sent inline as data URLs):
+
+    await client.create_response([{"role": "user", "content": [image_part("cat.jpg"), "What is this?"]}])
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
+import mimetypes
 from collections import deque
+from pathlib import Path
 
 import websockets
+
+
+def image_part(image: str | Path | bytes, mime_type: str | None = None) -> dict:
+    """An `input_image` content part from a file or encoded bytes (PNG, JPEG, WEBP...)."""
+    if isinstance(image, (str, Path)):
+        mime_type = mime_type or mimetypes.guess_type(str(image))[0] or "image/png"
+        image = Path(image).read_bytes()
+    url = f"data:{mime_type or 'image/png'};base64,{base64.b64encode(image).decode()}"
+    return {"type": "input_image", "image_url": url}
 
 
 class RealtimeError(Exception):
@@ -124,10 +139,13 @@ class RealtimeClient:
         self.session = await future
         return self.session
 
-    async def add_message(self, role: str, text: str) -> None:
-        part = "output_text" if role == "assistant" else "input_text"
+    async def add_message(self, role: str, content: str | list) -> None:
+        """`content`: text, or a list of parts (strings for text, `image_part(...)` for images)."""
+        text_type = "output_text" if role == "assistant" else "input_text"
+        parts = [content] if isinstance(content, str) else list(content)
+        parts = [{"type": text_type, "text": p} if isinstance(p, str) else p for p in parts]
         await self.send({"type": "conversation.item.create",
-                         "item": {"type": "message", "role": role, "content": [{"type": part, "text": text}]}})
+                         "item": {"type": "message", "role": role, "content": parts}})
 
     async def create_response(self, messages: list[dict] | None = None, **options) -> Response:
         """Add `messages` ({"role", "content"}) to the conversation, then start a response."""

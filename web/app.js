@@ -7,7 +7,11 @@ const ui = {
   conversation: $("conversation"), input: $("input"), send: $("send"), stop: $("stop"),
   status: $("status"), model: $("model"), ttft: $("ttft"), tps: $("tps"), outTokens: $("out-tokens"),
   cached: $("cached"), temperature: $("temperature"), maxTokens: $("max-tokens"), apiKey: $("api-key"),
+  attachments: $("attachments"), imageInput: $("image-input"),
 };
+
+// Images attached to the next message, as data URLs (sent inline: the server fetches nothing).
+let attached = [];
 
 let socket = null;
 let current = null;  // the response being streamed: {id, element, text, sentAt, firstAt, lastAt, deltas}
@@ -36,10 +40,17 @@ function send(event) {
   socket.send(JSON.stringify(event));
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const element = document.createElement("div");
   element.className = `message ${role}`;
-  element.textContent = text;
+  for (const url of images) {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "attached image";
+    element.appendChild(img);
+  }
+  if (images.length) element.appendChild(document.createElement("br"));
+  element.appendChild(document.createTextNode(text));
   ui.conversation.appendChild(element);
   ui.conversation.scrollTop = ui.conversation.scrollHeight;
   return element;
@@ -98,16 +109,40 @@ function finishResponse(response) {
   setStatus(socket && socket.readyState === WebSocket.OPEN ? "connected" : "disconnected");
 }
 
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { attached.push(reader.result); showAttachments(); };
+    reader.readAsDataURL(file);
+  }
+}
+
+function showAttachments() {
+  ui.attachments.replaceChildren(...attached.map((url, index) => {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "attached image (click to remove)";
+    img.title = "click to remove";
+    img.addEventListener("click", () => { attached.splice(index, 1); showAttachments(); });
+    return img;
+  }));
+}
+
 $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = ui.input.value.trim();
-  if (!text || current || !socket || socket.readyState !== WebSocket.OPEN) return;
+  if ((!text && !attached.length) || current || !socket || socket.readyState !== WebSocket.OPEN) return;
+  const images = attached;
+  attached = [];
+  showAttachments();
   ui.input.value = "";
-  addMessage("user", text);
+  addMessage("user", text, images);
   send({type: "session.update", session: {
     temperature: Number(ui.temperature.value), max_output_tokens: Number(ui.maxTokens.value)}});
-  send({type: "conversation.item.create",
-        item: {type: "message", role: "user", content: [{type: "input_text", text}]}});
+  const content = images.map((url) => ({type: "input_image", image_url: url}));
+  if (text) content.push({type: "input_text", text});
+  send({type: "conversation.item.create", item: {type: "message", role: "user", content}});
   const element = addMessage("assistant", "");
   element.classList.add("streaming");
   current = {id: null, element, text: "", sentAt: performance.now(), firstAt: null, lastAt: null, deltas: 0};
@@ -116,6 +151,11 @@ $("composer").addEventListener("submit", (e) => {
   setStatus("connected");
 });
 
+ui.imageInput.addEventListener("change", () => { attach(ui.imageInput.files); ui.imageInput.value = ""; });
+ui.input.addEventListener("paste", (e) => {
+  const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+  if (files.length) { e.preventDefault(); attach(files); }
+});
 ui.input.addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
 });
