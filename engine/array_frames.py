@@ -13,9 +13,15 @@ from engine import protocol
 from engine.mm_inputs import ProcessedImage
 
 
-def item_frames(items: list[ProcessedImage]) -> tuple[list[protocol.ItemHeader], list[memoryview]]:
+def item_frames(items: list[ProcessedImage], cached: set[str] = frozenset()
+                ) -> tuple[list[protocol.ItemHeader], list[memoryview]]:
+    """Headers and pixel frames; items in `cached` go as headers alone."""
     headers, frames = [], []
     for item in items:
+        if item.mm_hash in cached:
+            headers.append(protocol.ItemHeader(item.mm_hash, item.num_embeddings, list(item.grid), item.modality,
+                                               "", []))
+            continue
         pixels = np.ascontiguousarray(item.pixel_values)
         headers.append(protocol.ItemHeader(item.mm_hash, item.num_embeddings, list(item.grid), item.modality,
                                            pixels.dtype.str, list(pixels.shape)))
@@ -25,10 +31,17 @@ def item_frames(items: list[ProcessedImage]) -> tuple[list[protocol.ItemHeader],
 
 def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[ProcessedImage]:
     """Raises ValueError if a frame does not match its header."""
-    if len(frames) != len(headers):
-        raise ValueError(f"{len(headers)} item headers but {len(frames)} frames")
+    with_pixels = [h for h in headers if h.shape]
+    if len(frames) != len(with_pixels):
+        raise ValueError(f"{len(with_pixels)} items with pixels but {len(frames)} frames")
+    frames = iter(frames)
     items = []
-    for header, frame in zip(headers, frames):
+    for header in headers:
+        if not header.shape:
+            items.append(ProcessedImage(header.mm_hash, header.num_embeddings, None, tuple(header.grid),
+                                        header.modality))
+            continue
+        frame = next(frames)
         dtype = np.dtype(header.dtype)
         if dtype.kind not in "fiu":
             raise ValueError(f"item {header.mm_hash[:16]} has a non-numeric dtype {header.dtype}")

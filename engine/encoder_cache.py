@@ -22,8 +22,13 @@ class EncoderCacheStats:
 
 
 class EncoderCache:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, track_changes: bool = False) -> None:
         self.budget = budget
+        # The encoder process reports what entered and left the cache, so the frontend can
+        # keep a mirror of it and not resend the pixels of a cached item.
+        self.track_changes = track_changes
+        self.added: list[str] = []
+        self.evicted: list[str] = []
         self.used = 0
         self._entries: OrderedDict[str, object] = OrderedDict()
         self._sizes: dict[str, int] = {}
@@ -51,6 +56,16 @@ class EncoderCache:
             old, _ = self._entries.popitem(last=False)
             self.used -= self._sizes.pop(old)
             self.stats.evictions += 1
+            if self.track_changes:
+                self.evicted.append(old)
         self._entries[mm_hash] = embeddings
         self._sizes[mm_hash] = size
         self.used += size
+        if self.track_changes:
+            self.added.append(mm_hash)
+
+    def take_changes(self) -> tuple[list[str], list[str]]:
+        """(added, evicted) since the last call, in order."""
+        changes = self.added, self.evicted
+        self.added, self.evicted = [], []
+        return changes

@@ -36,7 +36,8 @@ DecoderInput = EngineRequest | AbortRequests | Shutdown
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
-    """One preprocessed item; its pixel array is the next frame of the message."""
+    """One preprocessed item; its pixel array is the next frame of the message, unless
+    `shape` is empty: the frontend believes the encoder's cache holds it and sends none."""
 
     mm_hash: str
     num_embeddings: int
@@ -130,6 +131,20 @@ class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):
     message: str
 
 
+class CacheChanges(msgspec.Struct, tag="cache_changes"):
+    """Encoder -> frontend: items that entered and left the global cache, for its mirror."""
+
+    added: list[str]
+    evicted: list[str]
+
+
+class ItemsMissing(msgspec.Struct, tag="items_missing"):
+    """Encoder -> frontend: asked for items registered without pixels that the cache no
+    longer holds; the frontend sends their pixels."""
+
+    mm_hashes: list[str]
+
+
 class EncoderStats(msgspec.Struct, tag="encoder_stats", kw_only=True):
     """The global encoder cache, sent by the encoder with its heartbeats."""
 
@@ -152,7 +167,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
 # How often an idle worker's main loop reports that it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
 
-WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat | EncoderStats
+WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat | EncoderStats | CacheChanges | ItemsMissing
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(DecoderInput)

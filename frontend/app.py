@@ -108,6 +108,10 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                      state.admission.refused)]
         counters += [(f"antiphon_{worker}_restarts_total", f"Times the {worker} process was restarted.", count)
                      for worker, count in state.client.restarts.items()]
+        counters += [("antiphon_encoder_items_sent_cached_total", "Items sent to the encoder without their pixels "
+                      "(its cache held them).", state.client.items_sent_cached),
+                     ("antiphon_encoder_items_resent_total", "Items whose pixels the encoder asked for again "
+                      "(evicted before use).", state.client.items_resent)]
         return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters,
                                                       state.client.encoder_stats),
                                  media_type="text/plain; version=0.0.4")

@@ -72,9 +72,17 @@ class EngineClient:
         # finishes, fails or is released.
         self.queues: dict[str, asyncio.Queue] = {}
         self._on_finished: dict[str, object] = {}
-        # Requests whose items the encoder holds for them, until they end.
-        self._with_items: set[str] = set()
+        # Requests whose items the encoder holds for them, until they end: their items, whose
+        # pixels are sent again if the encoder asks (its cache dropped one sent without).
+        self._with_items: dict[str, list] = {}
+        # What the encoder's global cache holds, as it last reported: cached items are
+        # registered without their pixels.
+        self.encoder_cache_mirror: set[str] = set()
+        # For /metrics: items registered without pixels (the mirror said cached), pixels resent.
+        self.items_sent_cached = 0
+        self.items_resent = 0
         self._pending_releases: list[str] = []
+        self._resends: set[asyncio.Future] = set()
         self.stats = protocol.EngineStatsSnapshot()
         self.encoder_stats = protocol.EncoderStats()
         self.ready: dict[str, protocol.WorkerReady] = {}
@@ -181,6 +189,7 @@ class EngineClient:
             self._pending_releases.clear()
             self._fail_in_flight(reason, only=set(self._with_items))
             self._with_items.clear()
+            self.encoder_cache_mirror.clear()
         self.to_workers[worker].close(linger=0)
 
     def _fail(self, reason: str) -> None:
@@ -253,8 +262,9 @@ class EngineClient:
             self._on_finished[request.request_id] = on_finished
         try:
             if items:
-                self._with_items.add(request.request_id)
-                headers, frames = item_frames(list(items))
+                self._with_items[request.request_id] = list(items)
+                headers, frames = item_frames(list(items), self.encoder_cache_mirror)
+                self.items_sent_cached += len(headers) - len(frames)
                 register = protocol.encode(protocol.RegisterItems(request.request_id, headers))
                 await self._send("encoder", [register, *frames])
             await self._send("decoder", data)
@@ -277,7 +287,7 @@ class EngineClient:
 
     def _release_items(self, request_id: str) -> None:
         if request_id in self._with_items:
-            self._with_items.discard(request_id)
+            del self._with_items[request_id]
             if "encoder" in self._running:
                 self._pending_releases.append(request_id)
                 self._aborts_wanted.set()
@@ -365,6 +375,11 @@ class EngineClient:
             self._heard_from(message.worker)
         elif isinstance(message, protocol.EncoderStats):
             self.encoder_stats = message
+        elif isinstance(message, protocol.CacheChanges):
+            self.encoder_cache_mirror.difference_update(message.evicted)
+            self.encoder_cache_mirror.update(message.added)
+        elif isinstance(message, protocol.ItemsMissing):
+            self._resend_pixels(set(message.mm_hashes))
         elif isinstance(message, protocol.WorkerReady):
             self._heard_from(message.worker)
             event = self._ready_events.get(message.worker)
@@ -374,6 +389,28 @@ class EngineClient:
         elif isinstance(message, protocol.WorkerFailed):
             self._heard_from(message.worker)
             logger.error("%s reported a failure:\n%s", message.worker, message.message)
+
+    def _resend_pixels(self, wanted: set[str]) -> None:
+        """Register again, with pixels, the items the encoder could not find (a race between
+        its eviction and our mirror): any live request that holds them will do."""
+        for request_id, items in self._with_items.items():
+            found = [item for item in items if item.mm_hash in wanted]
+            if found:
+                wanted -= {item.mm_hash for item in found}
+                self.items_resent += len(found)
+                headers, frames = item_frames(found)
+                message = [protocol.encode(protocol.RegisterItems(request_id, headers)), *frames]
+                task = asyncio.ensure_future(self._send_quietly("encoder", message))
+                self._resends.add(task)
+                task.add_done_callback(self._resends.discard)
+            if not wanted:
+                return
+
+    async def _send_quietly(self, worker: str, data) -> None:
+        try:
+            await self._send(worker, data)
+        except EngineUnavailable:
+            pass  # the encoder is gone: the requests that needed it fail anyway
 
     def _heard_from(self, worker: str) -> None:
         if worker in self._last_heard:

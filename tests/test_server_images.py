@@ -108,6 +108,12 @@ def test_same_image_in_another_conversation_is_an_encoder_cache_hit(server):
         assert status == 200, answer
     assert wait_for(lambda: server.metric("antiphon_encoder_items_encoded_total") == before + 1, timeout=5)
     assert wait_for(lambda: server.metric("antiphon_encoder_cache_hits_total") == hits + 1, timeout=5)
+    # The frontend knew the encoder held it: the second time its pixels were not sent.
+    sent_cached = server.metric("antiphon_encoder_items_sent_cached_total")
+    status, answer = post_json(server.url + "/v1/chat/completions",
+                               body([{"role": "system", "content": "A third one."}, *image_message(data_url(image))]))
+    assert status == 200, answer
+    assert server.metric("antiphon_encoder_items_sent_cached_total") == sent_cached + 1
 
 
 @pytest.mark.parametrize("url,code", [

@@ -5,6 +5,9 @@ them when the request ends; the decoder asks for embeddings by mm_hash and gets 
 as frames on its own socket. Every ask that has arrived is served in one batch: cache hits
 at once, misses encoded together. An ask for an item not registered yet (the decoder's ask
 can overtake the frontend's registration: they travel on different sockets) waits for it.
+The frontend keeps a mirror of the cache's contents (from CacheChanges) and sends a cached
+item's header without its pixels; if the item left the cache before it was asked for, the
+encoder asks the frontend for the pixels (ItemsMissing).
 Text-only models have no tower: the process then only answers heartbeats.
 
 Run by the frontend as `python -m workers.encoder_process --config JSON --input ADDR
@@ -51,8 +54,10 @@ class EncoderWorker:
         self.poller.register(self.inputs, zmq.POLLIN)
         self.poller.register(self.asks, zmq.POLLIN)
         self.encoder = None
-        # Asked for before registered: mm_hash -> when asked.
+        # Asked for before registered (or registered without pixels): mm_hash -> when asked.
         self.waiting_asks: dict[str, float] = {}
+        # Items whose pixels the frontend has been asked for, not yet received.
+        self.pixels_wanted: set[str] = set()
         self._last_beat = 0.0
 
     def load(self) -> None:
@@ -70,7 +75,7 @@ class EncoderWorker:
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, model_config, device)
             budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item())
-            self.encoder = InProcessEncoder(adapter, dtype, device, budget)
+            self.encoder = InProcessEncoder(adapter, dtype, device, budget, track_cache_changes=True)
             seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), adapter.warm_up_item())
             logger.info("vision encoder of %s loaded; cache budget %d embeddings; warmed up batch sizes %s "
                         "in %.2f s", path.name, budget, list(WARM_UP_BATCH_SIZES), seconds)
@@ -136,9 +141,16 @@ class EncoderWorker:
         ready = [h for h in self.waiting_asks if self.encoder.knows(h)]
         for mm_hash in ready:
             del self.waiting_asks[mm_hash]
+            self.pixels_wanted.discard(mm_hash)
+        missing = [h for h in self.waiting_asks
+                   if h not in self.pixels_wanted and self.encoder.registered_without_pixels(h)]
+        if missing:
+            self.pixels_wanted.update(missing)
+            self.outputs.send(protocol.encode(protocol.ItemsMissing(missing)))
         for mm_hash, started in list(self.waiting_asks.items()):
             if now - started > self.config.encoder_timeout_s:
                 del self.waiting_asks[mm_hash]
+                self.pixels_wanted.discard(mm_hash)
                 self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="the item was never registered"))
         for start in range(0, len(ready), WARM_UP_BATCH_SIZES[-1]):
             self.encoder.request(ready[start:start + WARM_UP_BATCH_SIZES[-1]])
@@ -149,6 +161,9 @@ class EncoderWorker:
                     header, frame = tensor_frame(mm_hash, embeddings)
                     self.embeddings.send_multipart([protocol.encode(header), frame], copy=False)
         if ready:
+            added, evicted = self.encoder.cache.take_changes()
+            if added or evicted:
+                self.outputs.send(protocol.encode(protocol.CacheChanges(added, evicted)))
             self._send_stats()  # /metrics follows each batch, not only the heartbeat
 
     def _send(self, message: protocol.ItemEmbeddings) -> None:

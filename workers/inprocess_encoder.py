@@ -20,11 +20,13 @@ logger = logging.getLogger("antiphon")
 
 
 class InProcessEncoder:
-    def __init__(self, adapter, dtype: torch.dtype, device: torch.device, cache_budget: int) -> None:
+    def __init__(self, adapter, dtype: torch.dtype, device: torch.device, cache_budget: int,
+                 track_cache_changes: bool = False) -> None:
         self.adapter = adapter
         self.tower = adapter.load_vision_encoder(dtype, device)
-        self.cache = EncoderCache(cache_budget)
-        # mm_hash -> (item, ids of the live requests that sent it)
+        self.cache = EncoderCache(cache_budget, track_cache_changes)
+        # mm_hash -> (item, ids of the live requests that sent it). An item registered without
+        # pixels (the frontend believed it cached) can only be served from the cache.
         self._items: dict[str, tuple[ProcessedImage, set[str]]] = {}
         self._by_request: dict[str, list[str]] = {}
         self._ready: list[tuple[str, object, str | None]] = []
@@ -32,12 +34,14 @@ class InProcessEncoder:
     # ---- the EmbeddingSource interface (engine/executor.py) ---------------------------------
 
     def register(self, request_id: str, items: list[ProcessedImage]) -> None:
-        hashes = []
+        hashes = self._by_request.setdefault(request_id, [])
         for item in items:
-            entry = self._items.setdefault(item.mm_hash, (item, set()))
+            entry = self._items.get(item.mm_hash)
+            if entry is None or (entry[0].pixel_values is None and item.pixel_values is not None):
+                entry = self._items[item.mm_hash] = (item, entry[1] if entry else set())
             entry[1].add(request_id)
-            hashes.append(item.mm_hash)
-        self._by_request[request_id] = hashes
+            if item.mm_hash not in hashes:
+                hashes.append(item.mm_hash)
 
     def release(self, request_id: str) -> None:
         for mm_hash in self._by_request.pop(request_id, ()):
@@ -53,7 +57,7 @@ class InProcessEncoder:
             embeddings = self.cache.get(mm_hash)
             if embeddings is not None:
                 self._ready.append((mm_hash, embeddings, None))
-            elif mm_hash in self._items:
+            elif mm_hash in self._items and self._items[mm_hash][0].pixel_values is not None:
                 misses.append(self._items[mm_hash][0])
             else:
                 self._ready.append((mm_hash, None, "the item is not known to the encoder (its request ended?)"))
@@ -61,8 +65,15 @@ class InProcessEncoder:
             self._ready.extend(self.encode(misses))
 
     def knows(self, mm_hash: str) -> bool:
-        """Whether an ask for this item can be served (cached, or registered by a live request)."""
-        return mm_hash in self.cache or mm_hash in self._items
+        """Whether an ask for this item can be served: cached, or registered with its pixels."""
+        if mm_hash in self.cache:
+            return True
+        entry = self._items.get(mm_hash)
+        return entry is not None and entry[0].pixel_values is not None
+
+    def registered_without_pixels(self, mm_hash: str) -> bool:
+        entry = self._items.get(mm_hash)
+        return entry is not None and entry[0].pixel_values is None
 
     def poll(self) -> list[tuple[str, object, str | None]]:
         ready, self._ready = self._ready, []
