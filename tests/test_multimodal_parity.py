@@ -187,3 +187,12 @@ def test_identical_requests_whose_shared_last_block_holds_the_image_end(tiny_vlm
     assert [o.token_ids for o in outs] == [expected, expected]
     assert outs[1].num_cached_tokens > 0
     assert llm.engine.stats().encoder_items_encoded == 1
+
+
+def test_an_image_larger_than_the_encoder_budget_is_a_clear_error_not_a_hang(tiny_vlms):
+    llm = LLM(str(tiny_vlms["qwen2_vl"]), encoder_cache_size=8)  # the image makes 12 embeddings
+    image = llm.engine.adapter.image_placeholder_text
+    with pytest.raises(ValueError, match="larger than the encoder cache budget"):
+        llm.generate(as_prompt(f"{image} hi", [picture(1)]))
+    assert not llm.engine.has_unfinished_requests
+    assert len(llm.generate("text still works", SamplingParams(max_tokens=2))[0].token_ids) == 2
