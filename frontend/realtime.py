@@ -14,6 +14,10 @@ one runs at a time. Responses with "conversation": "none" run beside it on their
 Any bad event gets an `error` event with a code and the connection carries on. The
 conversation holds at most max_conversation_items items, and a connection may send at most
 max_events_per_second events (bursts of twice that).
+
+A response.cancel stops a response that is still generating. Once a response starts
+finishing (its stream ended, failed or was cancelled), a cancel leaves it alone, so its
+closing events (output_*.done, response.done) always go out and its answer joins the history.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class RealtimeSession:
         self.items: dict[str, dict] = {}
         self.conversation_bytes = 0
         self.responses: dict[str, asyncio.Task] = {}
+        # Responses sending their closing events: a cancel no longer reaches them.
+        self.finishing: set[str] = set()
         self.conversation_response: str | None = None
         self.last_activity = time.monotonic()
         self.rate = EventRate(self.config.max_events_per_second)
@@ -88,8 +94,9 @@ class RealtimeSession:
         finally:
             watchdog.cancel()
             # A client that goes away mid-stream frees its requests and KV blocks at once.
-            for task in list(self.responses.values()):
-                task.cancel()
+            for response_id, task in list(self.responses.items()):
+                if response_id not in self.finishing:
+                    task.cancel()
             if self.responses:
                 await asyncio.gather(*self.responses.values(), return_exceptions=True)
 
@@ -217,11 +224,14 @@ class RealtimeSession:
         self.responses[response_id] = task
         if not out_of_band:
             self.conversation_response = response_id
-        # Let the task start (and enter its try block) before the next client event is read.
+        # Let the task start (and enter its try block) before the next client event is read:
+        # a task cancelled before its first step would never send its response.done. (Its lease
+        # does not depend on this: `bind` releases it however the task ends.)
         await asyncio.sleep(0)
 
     def _forget_response(self, response_id: str) -> None:
         self.responses.pop(response_id, None)
+        self.finishing.discard(response_id)
         if self.conversation_response == response_id:
             self.conversation_response = None
 
@@ -231,8 +241,11 @@ class RealtimeSession:
         if task is None:
             raise InvalidInput("there is no active response to cancel", "response_cancel_not_active",
                                "response_id")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        if response_id not in self.finishing:
+            task.cancel()
+        # Either way the response's response.done goes out before the next event is handled.
+        # (wait, unlike gather, never cancels the response if this handler is cancelled.)
+        await asyncio.wait([task])
 
     handlers = {
         SessionUpdate: on_session_update,
@@ -255,22 +268,25 @@ class RealtimeSession:
                     "status_details": None, "output": [], "output_modalities": ["text"], "usage": None,
                     "conversation_id": self.session["id"] if in_conversation else None}
         where = {"response_id": response_id, "item_id": item["id"], "output_index": 0, "content_index": 0}
-        text, last = "", None
+        opening = [{"type": "response.created", "response": response},
+                   {"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
+                    "item": item},
+                   {"type": "response.content_part.added", **where, "part": {"type": "output_text", "text": ""}}]
+        # How many opening events went out: a cancel may land between any two of them (an
+        # event whose send is cancelled was not written), and the closing events match them.
+        opened = 0
+        text, last, error = "", None, None
         stream = self.state.generation.stream(lease, prompt, params, self.cache_salt)
         # Submit the engine request first and announce the response while the prefill runs:
-        # the three events below are not on the way to the first token. Sending them does not
+        # the opening events are not on the way to the first token. Sending them does not
         # yield to the loop, so without this sleep(0) the task would submit only after all
         # three (measured: 0.5 ms of TTFT).
         first = asyncio.create_task(anext(stream, None))
-        announced = False
         try:
             await asyncio.sleep(0)
-            await self.send({"type": "response.created", "response": response})
-            await self.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
-                             "item": item})
-            await self.send({"type": "response.content_part.added", **where,
-                             "part": {"type": "output_text", "text": ""}})
-            announced = True
+            for event in opening:
+                await self.send(event)
+                opened += 1
             chunk = await first
             while chunk is not None:
                 last = chunk
@@ -282,34 +298,37 @@ class RealtimeSession:
             if last.finish_reason == "length":
                 response["status_details"] = {"type": "incomplete", "reason": "max_output_tokens"}
             elif response["status"] == "failed":
-                response["status_details"] = {"type": "failed", "error": {"type": "server_error",
-                                                                           "code": "engine_error",
-                                                                           "message": last.error}}
-                await self.send_error(last.error or "generation failed", "engine_error", None, client_event_id)
+                error = ("server_error", "engine_error", last.error or "generation failed")
         except EngineUnavailable as exc:
-            response["status"] = "failed"
-            response["status_details"] = {"type": "failed", "error": {"type": "server_error",
-                                                                       "code": "engine_unavailable",
-                                                                       "message": str(exc)}}
-            await self.send_error(str(exc), "engine_unavailable", None, client_event_id)
+            error = ("server_error", "engine_unavailable", str(exc))
         except asyncio.CancelledError:
             response["status"] = "cancelled"
             response["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
         except Exception as exc:
             # Never leave a response in_progress: whatever broke, the client hears of it.
             logger.exception("response %s failed", response_id)
-            response["status"] = "failed"
-            response["status_details"] = {"type": "failed", "error": {"type": "server_error",
-                                                                       "code": "server_error",
-                                                                       "message": str(exc)}}
-            await self.send_error("the response failed on the server", "server_error", None, client_event_id)
+            error = ("server_error", "server_error", str(exc))
         finally:
-            # Cancelled before the first chunk: stop the pending step, whose cleanup aborts the
-            # engine request; then close the stream (a no-op if it already ended).
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-            await stream.aclose()
+            # From here on a response.cancel leaves this response alone: nothing may cut the
+            # closing events below (set before the first await, so no cancel slips in).
+            self.finishing.add(response_id)
+            if first.done():
+                if not first.cancelled():
+                    first.exception()  # seen, so asyncio does not log it as never retrieved
+            else:
+                # Cancelled before the first chunk: stop the pending step, whose cleanup aborts
+                # the engine request.
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+            await stream.aclose()  # a no-op if the stream already ended
             lease.release()
+            if error is not None:
+                kind, code, message = error
+                response["status"] = "failed"
+                response["status_details"] = {"type": "failed",
+                                              "error": {"type": kind, "code": code, "message": message}}
+                await self.send_error("the response failed on the server" if code == "server_error" else message,
+                                      code, None, client_event_id)
             item["status"] = "completed" if response["status"] == "completed" else "incomplete"
             item["content"] = [{"type": "output_text", "text": text}]
             if in_conversation and text and len(self.items) < self.config.max_conversation_items:
@@ -323,18 +342,19 @@ class RealtimeSession:
                                             "text_tokens": last.num_prompt_tokens, "audio_tokens": 0},
                     "output_token_details": {"text_tokens": last.num_output_tokens, "audio_tokens": 0},
                 }
-            if announced:
-                response["output"] = [item]
-                await self.send({"type": "response.output_text.done", **where, "text": text})
-                await self.send({"type": "response.content_part.done", **where,
-                                 "part": {"type": "output_text", "text": text}})
-                await self.send({"type": "response.output_item.done", "response_id": response_id,
-                                 "output_index": 0, "item": item})
-            else:
+            if opened == 0:
                 # Cancelled before it was announced (a response.cancel right behind the
                 # response.create): the client still learns its id before it ends.
                 await self.send({"type": "response.created", "response": {**response, "status": "in_progress",
                                                                            "status_details": None}})
+            if opened == 3:
+                await self.send({"type": "response.output_text.done", **where, "text": text})
+                await self.send({"type": "response.content_part.done", **where,
+                                 "part": {"type": "output_text", "text": text}})
+            if opened >= 2:
+                response["output"] = [item]
+                await self.send({"type": "response.output_item.done", "response_id": response_id,
+                                 "output_index": 0, "item": item})
             await self.send({"type": "response.done", "response": response})
             # Only now: a response.create queued behind this one must not start (and announce
             # itself) before this response.done has gone out.
