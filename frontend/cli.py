@@ -88,7 +88,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-connections", type=int, default=4096, help="open HTTP + WebSocket connections")
     group.add_argument("--max-conversation-items", type=int, default=512)
     group.add_argument("--max-conversation-bytes", type=int, default=1 << 20,
-                       help="text a Realtime conversation may hold, answers included")
+                       help="text a Realtime conversation may hold, instructions and answers included")
     group.add_argument("--max-events-per-second", type=float, default=200.0,
                        help="Realtime client events per connection (bursts of twice that)")
     group.add_argument("--max-stop-strings", type=int, default=8)

@@ -12,7 +12,9 @@ response.done (with usage and cached-token counts) and error.
 A response bound to the conversation (the default) appends its answer to the history; only
 one runs at a time. Responses with "conversation": "none" run beside it on their own input.
 Any bad event gets an `error` event with a code and the connection carries on. The
-conversation holds at most max_conversation_items items, and a connection may send at most
+conversation holds at most max_conversation_items items and max_conversation_bytes of text
+(the session's instructions included); an answer that would take it past either evicts the
+oldest items (each with conversation.item.deleted). A connection may send at most
 max_events_per_second events (bursts of twice that).
 
 A response.cancel stops a response that is still generating. Once a response starts
@@ -60,7 +62,7 @@ class RealtimeSession:
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
             "temperature": 0.8, "top_p": 1.0, "seed": None,
         }
-        # The conversation, in order, by item id, and the bytes of its text.
+        # The conversation, in order, by item id, and the bytes of its text and instructions.
         self.items: dict[str, dict] = {}
         self.conversation_bytes = 0
         self.responses: dict[str, asyncio.Task] = {}
@@ -140,7 +142,14 @@ class RealtimeSession:
                                "session.output_modalities")
         candidate = {**self.session, **update}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
+        # Instructions are templated into every response, like the items: they share the budget.
+        grown = _text_bytes(candidate["instructions"]) - _text_bytes(self.session["instructions"])
+        if self.conversation_bytes + grown > self.config.max_conversation_bytes:
+            raise InvalidInput(f"the instructions and the conversation would hold more than "
+                               f"{self.config.max_conversation_bytes} bytes of text; shorten them or delete "
+                               "items with conversation.item.delete", "conversation_full", "session.instructions")
         self.session = candidate
+        self.conversation_bytes += grown
         await self.send({"type": "session.updated", "session": self.session})
 
     async def on_item_create(self, event: ItemCreate) -> None:
@@ -151,7 +160,8 @@ class RealtimeSession:
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
-                               "of text; delete some items with conversation.item.delete", "conversation_full", "item")
+                               "of text (instructions included); delete some items with conversation.item.delete",
+                               "conversation_full", "item")
         if item["id"] in self.items:
             raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
         previous = event.previous_item_id
@@ -331,9 +341,7 @@ class RealtimeSession:
                                       code, None, client_event_id)
             item["status"] = "completed" if response["status"] == "completed" else "incomplete"
             item["content"] = [{"type": "output_text", "text": text}]
-            if in_conversation and text and len(self.items) < self.config.max_conversation_items:
-                self.items[item["id"]] = item
-                self.conversation_bytes += _item_bytes(item)
+            evicted = self._add_answer(item) if in_conversation and text else []
             if last is not None:
                 response["usage"] = {
                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
@@ -355,10 +363,29 @@ class RealtimeSession:
                 response["output"] = [item]
                 await self.send({"type": "response.output_item.done", "response_id": response_id,
                                  "output_index": 0, "item": item})
+            for item_id in evicted:
+                await self.send({"type": "conversation.item.deleted", "item_id": item_id})
             await self.send({"type": "response.done", "response": response})
             # Only now: a response.create queued behind this one must not start (and announce
             # itself) before this response.done has gone out.
             self._forget_response(response_id)
+
+    def _add_answer(self, item: dict) -> list[str]:
+        """Append an answer to the conversation; the ids of the oldest items evicted to make room.
+
+        The client already holds the answer's id (from response.output_item.done), so the
+        answer is never the one dropped. One answer alone may exceed the byte budget.
+        """
+        size = _item_bytes(item)
+        evicted = []
+        while self.items and (len(self.items) >= self.config.max_conversation_items
+                              or self.conversation_bytes + size > self.config.max_conversation_bytes):
+            oldest = next(iter(self.items))
+            self.conversation_bytes -= _item_bytes(self.items.pop(oldest))
+            evicted.append(oldest)
+        self.items[item["id"]] = item
+        self.conversation_bytes += size
+        return evicted
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -424,8 +451,12 @@ def _item_text(item: dict) -> str:
     return "".join(part["text"] for part in item["content"])
 
 
+def _text_bytes(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
 def _item_bytes(item: dict) -> int:
-    return sum(len(part["text"].encode("utf-8", errors="surrogatepass")) for part in item["content"])
+    return sum(_text_bytes(part["text"]) for part in item["content"])
 
 
 def _sampling(session: dict, overrides: dict, default_max_tokens: int) -> SamplingParams:

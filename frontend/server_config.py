@@ -29,10 +29,12 @@ class ServerConfig:
     # Open connections (HTTP and WebSocket together); past it HTTP gets 503 and a WebSocket
     # an error event and close 1013.
     max_connections: int = 4096
-    # Per Realtime session: items kept in the conversation (delete some to go on), their
-    # text, and client messages per second (a burst of twice that is allowed).
+    # Per Realtime session: items kept in the conversation (a client item past it is refused:
+    # delete some to go on; an answer evicts the oldest items instead), their text, and client
+    # messages per second (a burst of twice that is allowed).
     max_conversation_items: int = 512
-    # Text bytes a conversation may hold (answers included; one answer may take it past).
+    # Text bytes a conversation may hold, the session's instructions and the answers included
+    # (an answer evicts the oldest items to fit; one answer alone may take it past).
     max_conversation_bytes: int = 1 << 20
     max_events_per_second: float = 200.0
     max_stop_strings: int = 8
