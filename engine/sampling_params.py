@@ -8,12 +8,15 @@ must never fail later, after it was registered.
 from __future__ import annotations
 
 import math
+import reprlib
 
 import msgspec
 
 # Counts and token ids far beyond any vocabulary or context, and within every int type on the way.
 MAX_COUNT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# A stop string's length is text held back from streaming, and searched again per token.
+MAX_STOP_STRING_LENGTH = 1024
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -66,6 +69,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be in [-2, 2]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be non-empty strings")
+        _check(all(len(s) <= MAX_STOP_STRING_LENGTH for s in self.stop), "stop", self.stop,
+               f"each must be at most {MAX_STOP_STRING_LENGTH} characters")
         _check(all(_is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, f"must be token ids in [0, {MAX_COUNT}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -97,4 +102,9 @@ def _finite_float(field: str, value) -> float:
 
 def _check(ok: bool, field: str, value, rule: str) -> None:
     if not ok:
-        raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
+        # Abbreviated: the value may be a client's megabyte of text, echoed back in a 400.
+        raise ValueError(f"invalid sampling parameter {field}={_short_repr.repr(value)}: {rule}")
+
+
+_short_repr = reprlib.Repr()
+_short_repr.maxstring = _short_repr.maxother = 80

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams, protocol
 from engine.input_processor import make_engine_request
+from engine.sampling_params import MAX_STOP_STRING_LENGTH
 from workers.sampler import SamplingRow, sample
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 130))]
@@ -94,6 +95,8 @@ def test_logprobs_return_the_top_n_and_the_sampled_token(llm):
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", 10**400), ("top_p", math.nan),
     ("min_p", math.nan), ("repetition_penalty", math.inf), ("presence_penalty", math.nan),
     ("frequency_penalty", -math.inf), ("ignore_eos", "yes"), ("skip_special_tokens", None),
+    # A long stop string holds back that much streamed text and is searched for per token.
+    ("stop", ["x" * (MAX_STOP_STRING_LENGTH + 1)]), ("stop", ["ok", "é" * (MAX_STOP_STRING_LENGTH + 1)]),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}="):
@@ -104,6 +107,13 @@ def test_extreme_valid_values_are_kept():
     params = SamplingParams(seed=2**64 - 1, top_k=2**31 - 1, max_tokens=2**31 - 1, stop_token_ids=[2**31 - 1])
     assert (params.seed, params.top_k) == (2**64 - 1, 2**31 - 1)
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(stop=["x" * MAX_STOP_STRING_LENGTH]).stop == ["x" * MAX_STOP_STRING_LENGTH]
+
+
+def test_an_error_does_not_echo_a_huge_value_back():
+    with pytest.raises(ValueError, match="stop=") as refused:
+        SamplingParams(stop=["x" * 1_000_000])
+    assert len(str(refused.value)) < 300
 
 
 # Values around every bound (and far past them), numbers msgpack or torch cannot carry included.

@@ -174,6 +174,14 @@ def test_bad_bodies_are_400s_naming_the_field_and_hold_nothing(server, body):
     assert_back_to_baseline(server)
 
 
+def test_a_stop_string_over_the_length_cap_is_a_400_naming_stop(server):
+    """A 100 kB stop string held back all streamed text and was searched again per token."""
+    status, answer = chat(server, {"messages": HELLO, "stop": ["x" * 100_000], "max_tokens": 2})
+    assert status == 400 and answer["error"]["param"] == "stop", answer
+    assert "1024 characters" in answer["error"]["message"] and len(answer["error"]["message"]) < 300
+    assert_back_to_baseline(server)
+
+
 def test_deeply_nested_or_undecodable_json_is_a_400(server):
     for raw in (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"\xff\xfe{", b"", b"null"):
         status, text = request("POST", server.url + "/v1/chat/completions", raw,
