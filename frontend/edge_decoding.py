@@ -12,11 +12,15 @@ from typing import Annotated
 
 import msgspec
 
+from engine.sampling_params import SEED_RANGE
+
 # Integers clients may send for sizes and counts; far above any real limit, and small
 # enough that every later encoding (msgpack, torch) accepts them.
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-# A seed is any signed 64-bit integer (torch generators and msgpack take them all).
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# The seeds SamplingParams takes, signed or unsigned 64-bit (msgpack carries both; the sampler
+# folds each into a generator seed). msgspec bounds cannot go past int64, so the top of the
+# range is SamplingParams' check (a 400 / error event naming the seed all the same).
+Seed = Annotated[int, msgspec.Meta(ge=SEED_RANGE[0])]
 Number = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
 
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

@@ -211,10 +211,10 @@ class RealtimeSession:
             items = [_message_item(i) for i in options.input]
         else:
             items = list(self.items.values())
-        params = _sampling(self.session, overrides, self.config.default_max_tokens)
+        params = _sampling(self.session, overrides, self.config.default_max_tokens, "response")
         instructions = overrides.get("instructions", self.session["instructions"])
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
-        messages += [{"role": i["role"], "content": _item_text(i)} for i in items]
+        messages += [{"role": i["role"], "content": _item_content(i)} for i in items]
         try:
             lease = self.state.generation.admit(new_id("resp"))
         except AdmissionRefused as exc:
@@ -421,8 +421,7 @@ SESSION_FIELDS = ("output_modalities", "instructions", "max_output_tokens", "tem
 
 
 def _message_item(item: MessageItem) -> dict:
-    item.text()  # refuses content parts that are not text
-    parts = [{"type": part.type, "text": part.text} for part in item.content]
+    parts = item.parts()  # refuses parts of other types
     return {"id": item.id or new_id("item"), "object": "realtime.item", "type": "message",
             "role": item.role, "status": "completed", "content": parts}
 
@@ -447,7 +446,10 @@ def _previous_id(items: dict[str, dict], item_id: str) -> str | None:
     return None
 
 
-def _item_text(item: dict) -> str:
+def _item_content(item: dict) -> str | list[dict]:
+    """Text for the chat template, or the parts when the item holds images."""
+    if any(part["type"] == "input_image" for part in item["content"]):
+        return item["content"]
     return "".join(part["text"] for part in item["content"])
 
 
@@ -456,14 +458,16 @@ def _text_bytes(text: str) -> int:
 
 
 def _item_bytes(item: dict) -> int:
-    return sum(_text_bytes(part["text"]) for part in item["content"])
+    return sum(_text_bytes(part["text"]) if "text" in part else len(part["image_url"]) for part in item["content"])
 
 
-def _sampling(session: dict, overrides: dict, default_max_tokens: int) -> SamplingParams:
+def _sampling(session: dict, overrides: dict, default_max_tokens: int, where: str = "session") -> SamplingParams:
+    """Sampling parameters from the session's settings and a response's overrides; a bad value is
+    an InvalidInput naming it under `where` (the session's own were checked when they were set)."""
     settings = {**session, **overrides}
     max_tokens = settings["max_output_tokens"]
     return sampling_params_or_invalid(
         {"temperature": settings["temperature"], "top_p": settings["top_p"], "seed": settings["seed"],
          "max_tokens": default_max_tokens if max_tokens == "inf" else max_tokens},
-        {"temperature": "session.temperature", "top_p": "session.top_p", "seed": "session.seed",
-         "max_tokens": "session.max_output_tokens"})
+        {"temperature": f"{where}.temperature", "top_p": f"{where}.top_p", "seed": f"{where}.seed",
+         "max_tokens": f"{where}.max_output_tokens"})

@@ -182,6 +182,21 @@ def test_a_stop_string_over_the_length_cap_is_a_400_naming_stop(server):
     assert_back_to_baseline(server)
 
 
+async def test_every_seed_sampling_params_takes_is_accepted_at_the_edge(server):
+    """The edge refused seeds in [2**63, 2**64) that SamplingParams, msgpack and the sampler take."""
+    for seed in (2**64 - 1, 2**63, -(2**63)):
+        status, body = await asyncio.to_thread(chat, server, {"messages": HELLO, "seed": seed, "max_tokens": 2})
+        assert status == 200, body
+    async with websockets.connect(server.ws_url) as ws:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "session.update", "session": {"seed": 2**64 - 1}}))
+        assert (await next_event(ws, "session.updated"))["session"]["seed"] == 2**64 - 1
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "conversation": "none", "input": [user_item("hello")], "max_output_tokens": 2}}))
+        assert (await next_event(ws, "response.done"))["response"]["status"] == "incomplete"
+    assert_back_to_baseline(server)
+
+
 def test_deeply_nested_or_undecodable_json_is_a_400(server):
     for raw in (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"\xff\xfe{", b"", b"null"):
         status, text = request("POST", server.url + "/v1/chat/completions", raw,
