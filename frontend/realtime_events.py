@@ -12,20 +12,44 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.edge_decoding import ContentPart, Count, InvalidInput, Number, Seed, decode_json, parts_text
+from frontend.edge_decoding import Count, InvalidInput, Number, Seed, decode_json
 
 TEXT_PART_TYPES = ("input_text", "text", "output_text")
 MaxOutputTokens = Count | Literal["inf"]
 
 
+class MessagePart(msgspec.Struct):
+    """Text, or (in a user message) an image as a data URL; the media limits apply later."""
+
+    type: str
+    text: str | None = None
+    image_url: str | None = None
+
+
 class MessageItem(msgspec.Struct, kw_only=True):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "assistant"]
-    content: Annotated[list[ContentPart], msgspec.Meta(min_length=1, max_length=4096)]
+    content: Annotated[list[MessagePart], msgspec.Meta(min_length=1, max_length=4096)]
     id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
-    def text(self) -> str:
-        return parts_text(self.content, TEXT_PART_TYPES, "item.content")
+    def parts(self) -> list[dict]:
+        """The parts as dicts; a part of an unsupported type or without its field is refused."""
+        parts = []
+        for part in self.content:
+            if part.type in TEXT_PART_TYPES:
+                if part.text is None:
+                    raise InvalidInput("a text content part needs a string 'text'", "invalid_value", "item.content")
+                parts.append({"type": part.type, "text": part.text})
+            elif part.type == "input_image" and self.role == "user":
+                if part.image_url is None:
+                    raise InvalidInput("an input_image part needs 'image_url' (a data URL)", "invalid_value",
+                                       "item.content")
+                parts.append({"type": "input_image", "image_url": part.image_url})
+            else:
+                raise InvalidInput(f"content part type {part.type!r} is not supported here; send input_text"
+                                   + (" or input_image" if self.role == "user" else ""),
+                                   "unsupported_content_type", "item.content")
+        return parts
 
 
 class SessionSettings(msgspec.Struct, kw_only=True):

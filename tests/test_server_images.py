@@ -7,6 +7,7 @@ killed mid-request fails only the requests that needed it while text keeps flowi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import io
@@ -173,3 +174,51 @@ def test_encoder_killed_mid_request_fails_only_image_requests(server):
     assert status == 200, answer
     assert wait_for(lambda: server.metric("antiphon_kv_blocks_used") == 0, timeout=5)
     assert server.metric("antiphon_engine_requests_registered") == 0
+
+
+async def test_realtime_input_image_answers_like_http(server):
+    from frontend.client import RealtimeClient, image_part
+
+    image = picture(8)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    status, plain = post_json(server.url + "/v1/chat/completions", body(image_message(data_url(image))))
+    assert status == 200, plain
+    async with RealtimeClient(server.ws_url) as client:
+        await client.update_session(temperature=0, max_output_tokens=MAX_TOKENS)
+        response = await client.create_response(
+            [{"role": "user", "content": [image_part(buffer.getvalue()), "What is in this picture?"]}])
+        text = "".join([delta async for delta in response])
+    assert response.status == "incomplete"  # stopped at max_output_tokens, like the HTTP answer
+    assert text == plain["choices"][0]["message"]["content"]
+
+
+async def test_realtime_bad_image_is_an_error_event_and_the_session_goes_on(server):
+    import websockets
+
+    async with websockets.connect(server.ws_url) as ws:
+        async def next_of(kind):
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if event["type"] == kind:
+                    return event
+
+        await next_of("session.created")
+        for part in ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"},
+                     {"type": "input_image"}):
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [part, {"type": "input_text", "text": "hi"}]}}))
+            event = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if event["type"] == "conversation.item.added":
+                await ws.send(json.dumps({"type": "response.create"}))
+                error = await next_of("error")
+                assert error["error"]["code"] == "invalid_image"
+                await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": event["item"]["id"]}))
+                await next_of("conversation.item.deleted")
+            else:
+                assert event["type"] == "error" and event["error"]["code"] == "invalid_value", event
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
+        done = await next_of("response.done")
+        assert done["response"]["status"] == "incomplete"
