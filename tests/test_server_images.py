@@ -222,3 +222,25 @@ async def test_realtime_bad_image_is_an_error_event_and_the_session_goes_on(serv
         await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
         done = await next_of("response.done")
         assert done["response"]["status"] == "incomplete"
+
+
+def test_chat_page_attaches_an_image_and_streams_the_answer(server, tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    browser_dir = Path(__file__).resolve().parent / "browser"
+    image_path = tmp_path / "photo.png"
+    picture(9).save(image_path)
+    screenshot = tmp_path / "chat-image.png"
+    result = subprocess.run(["node", str(browser_dir / "chat_page.mjs"), server.url + "/", "What is this?",
+                             str(screenshot), str(image_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    page = json.loads(result.stdout.strip().splitlines()[-1])
+    assert page["errors"] == [] and page["consoleErrors"] == []
+    assert page["userImages"] == 1
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture(9))}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    status, http = post_json(server.url + "/v1/chat/completions",
+                             {"messages": messages, "max_tokens": 40, "temperature": 0})
+    assert page["answer"] == http["choices"][0]["message"]["content"]
+    assert screenshot.stat().st_size > 10_000

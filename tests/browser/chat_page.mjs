@@ -1,9 +1,10 @@
 // Opens the chat page in headless Chromium, sends a message, waits for the streamed answer.
-// Usage: node chat_page.mjs URL MESSAGE SCREENSHOT_PATH
-// Prints one JSON line: the answer's text, what the page showed while streaming, the panel.
+// Usage: node chat_page.mjs URL MESSAGE SCREENSHOT_PATH [IMAGE_PATH]
+// Prints one JSON line: the answer's text, what the page showed while streaming, the panel,
+// and how many images the user's message shows (IMAGE_PATH is attached with the Image button).
 import { chromium } from "playwright-core";
 
-const [url, message, screenshot] = process.argv.slice(2);
+const [url, message, screenshot, image] = process.argv.slice(2);
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   // This machine has no network beyond loopback: keep Chromium from reaching out.
@@ -27,6 +28,10 @@ try {
       if (bubble) window.__partials.push(bubble.textContent);
     }).observe(document.getElementById("conversation"), { childList: true, subtree: true, characterData: true });
   });
+  if (image) {
+    await page.setInputFiles("#image-input", image);
+    await page.waitForSelector("#attachments img");
+  }
   await page.fill("#input", message);
   await page.click("#send");
   await page.waitForSelector(".message.assistant:not(.streaming)", { timeout: 60000 });
@@ -37,8 +42,12 @@ try {
     outTokens: await page.textContent("#out-tokens"), cached: await page.textContent("#cached"),
   };
   const stopDisabled = await page.$eval("#stop", (e) => e.disabled);
+  const userImages = await page.$$eval(".message.user img", (images) =>
+    images.filter((i) => i.complete && i.naturalWidth > 0).length);
+  const errors = await page.$$eval(".message.error", (items) => items.map((e) => e.textContent));
   await page.screenshot({ path: screenshot });
-  console.log(JSON.stringify({ answer, partials: [...new Set(partials)], panel, stopDisabled, consoleErrors }));
+  console.log(JSON.stringify({ answer, partials: [...new Set(partials)], panel, stopDisabled, consoleErrors,
+                               userImages, errors }));
 } finally {
   await browser.close();
 }
