@@ -21,7 +21,8 @@ from frontend.admission import Admission
 from frontend.engine_client import EngineClient
 from frontend.generation import GenerationService
 from frontend.host_guard import HostGuard
-from frontend.limits import bearer_token, cache_salt, key_accepted, key_from_subprotocols, origin_allowed
+from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
+                             key_from_subprotocols, origin_allowed)
 from frontend.metrics import Metrics
 from frontend.openai_http import ChatCompletions, error_response
 from frontend.realtime import RealtimeSession
@@ -61,6 +62,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                   worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
+    connections = OpenConnections(config.max_connections, config.max_connections_per_client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -103,9 +105,13 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             ("antiphon_engine_requests_registered", "Requests whose outputs the engine client routes now.",
              state.client.num_registered),
             ("antiphon_realtime_sessions", "Open Realtime WebSocket sessions.", state.realtime_sessions),
+            ("antiphon_connections_open", "HTTP requests being handled and open WebSockets (/health and /metrics "
+             "not counted).", connections.total),
         ]
         counters = [("antiphon_requests_refused_total", "Requests refused with 429 (server full).",
-                     state.admission.refused)]
+                     state.admission.refused),
+                    ("antiphon_connections_refused_total", "Connections refused over --max-connections or "
+                     "--max-connections-per-client.", connections.refused)]
         counters += [(f"antiphon_{worker}_restarts_total", f"Times the {worker} process was restarted.", count)
                      for worker, count in state.client.restarts.items()]
         counters += [("antiphon_encoder_items_sent_cached_total", "Items sent to the encoder without their pixels "
@@ -139,9 +145,10 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             await session.send_error("this Origin is not allowed", "origin_not_allowed")
             await websocket.close(code=1008, reason="origin not allowed")
             return
-        if state.realtime_sessions >= config.max_connections:
-            await session.send_error(f"the server holds its limit of {config.max_connections} connections; "
-                                     "retry later", "too_many_connections")
+        client = client_address(websocket.scope)
+        refusal = connections.open(client)
+        if refusal is not None:
+            await session.send_error(refusal, "too_many_connections")
             await websocket.close(code=1013, reason="try again later")
             return
         state.realtime_sessions += 1
@@ -149,6 +156,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             await session.run()
         finally:
             state.realtime_sessions -= 1
+            connections.close(client)
 
     routes = [
         Route("/health", health),
@@ -158,4 +166,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         WebSocketRoute("/v1/realtime", realtime),
         Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(HostGuard, config=config)])
+    # Host first: a rebound name is refused before it takes a connection slot.
+    middleware = [Middleware(HostGuard, config=config),
+                  Middleware(ConnectionCap, connections=connections, exempt=("/health", "/metrics"))]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware)

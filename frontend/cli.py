@@ -85,7 +85,10 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-waiting-requests", type=int, default=4096,
                        help="requests queued beyond the decoder's --max-num-seqs before 429")
     group.add_argument("--max-concurrent-per-connection", type=int, default=4)
-    group.add_argument("--max-connections", type=int, default=4096, help="open HTTP + WebSocket connections")
+    group.add_argument("--max-connections", type=int, default=4096,
+                       help="HTTP requests being handled + open WebSockets (/health and /metrics exempt)")
+    group.add_argument("--max-connections-per-client", type=int, default=64,
+                       help="the same, per client address (behind a proxy every client has the proxy's)")
     group.add_argument("--max-conversation-items", type=int, default=512)
     group.add_argument("--max-conversation-bytes", type=int, default=1 << 20,
                        help="text a Realtime conversation may hold, instructions and answers included")
@@ -127,6 +130,7 @@ def _serve(args) -> int:
             max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
             max_waiting_requests=args.max_waiting_requests,
             max_concurrent_per_connection=args.max_concurrent_per_connection, max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
             max_conversation_items=args.max_conversation_items,
             max_conversation_bytes=args.max_conversation_bytes, max_events_per_second=args.max_events_per_second,
             max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
@@ -143,13 +147,13 @@ def _serve(args) -> int:
         server.should_exit = True
 
     app = build_app(server_config, engine_config, on_fatal=on_fatal)
-    # The transport's own cap sits above ours, so a merely oversized message gets an error
-    # event (and the connection lives on) instead of a hard close.
     _raise_open_files_limit(server_config.max_connections)
+    # The transport's own message cap sits above ours, so a merely oversized message gets an
+    # error event (and the connection lives on) instead of a hard close. Connections are
+    # capped by the app (frontend/limits.py), which can exempt /health and answer in JSON.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, ws="websockets-sansio",
                                            http=protocol_with_timeouts(server_config.header_timeout_s,
                                                                        server_config.body_timeout_s),
-                                           limit_concurrency=server_config.max_connections,
                                            ws_per_message_deflate=args.ws_compression,
                                            ws_max_size=4 * server_config.max_message_bytes,
                                            log_level="info" if args.verbose else "warning"))

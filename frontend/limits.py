@@ -1,9 +1,10 @@
-"""Who may talk to the server: API keys, Host and Origin checks, per-connection event rates."""
+"""Who may talk to the server: API keys, Host and Origin checks, connection caps, event rates."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from urllib.parse import urlsplit
 
@@ -96,3 +97,82 @@ class EventRate:
             return False
         self.tokens -= 1
         return True
+
+
+class OpenConnections:
+    """Connections the server holds, in all and per client address, against two caps.
+
+    An HTTP request counts while it is handled (a stream for as long as it streams), a
+    WebSocket for as long as it is open. An idle keep-alive socket counts for nothing: uvicorn
+    closes it within seconds, and the header deadline closes one that never sends a request.
+    """
+
+    def __init__(self, max_total: int, max_per_client: int) -> None:
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        self.total = 0
+        self.per_client: dict[str, int] = {}
+        self.refused = 0
+
+    def open(self, client: str) -> str | None:
+        """Count a new connection from `client`; over a cap, count nothing and say why."""
+        if self.total >= self.max_total:
+            self.refused += 1
+            return f"the server holds its limit of {self.max_total} connections; retry later"
+        if self.per_client.get(client, 0) >= self.max_per_client:
+            self.refused += 1
+            return f"this client holds its limit of {self.max_per_client} connections; close some or retry later"
+        self.total += 1
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        return None
+
+    def close(self, client: str) -> None:
+        self.total -= 1
+        left = self.per_client[client] - 1
+        if left:
+            self.per_client[client] = left
+        else:
+            del self.per_client[client]
+
+
+def client_address(scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""
+
+
+class ConnectionCap:
+    """ASGI middleware: an HTTP request over a connection cap gets a JSON 503 with Retry-After.
+
+    `exempt` paths (health checks, metrics) are neither counted nor refused, so a full server
+    still says how it is. WebSockets pass through: their route counts them, so that a refusal
+    can be an error event and a close code the client's SDK understands.
+    """
+
+    def __init__(self, app, connections: OpenConnections, exempt: tuple[str, ...], retry_after_s: int = 1) -> None:
+        self.app = app
+        self.connections = connections
+        self.exempt = exempt
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        client = client_address(scope)
+        refusal = self.connections.open(client)
+        if refusal is not None:
+            await self._refuse(send, refusal)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.connections.close(client)
+
+    async def _refuse(self, send, message: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                     "code": "too_many_connections"}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(self.retry_after_s).encode())]})
+        await send({"type": "http.response.body", "body": body})

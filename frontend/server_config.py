@@ -26,9 +26,12 @@ class ServerConfig:
     # in its queue. Past that: 429 with Retry-After.
     max_waiting_requests: int = 4096
     max_concurrent_per_connection: int = 4
-    # Open connections (HTTP and WebSocket together); past it HTTP gets 503 and a WebSocket
-    # an error event and close 1013.
+    # Connections held (HTTP requests being handled and open WebSockets), in all and per
+    # client address; past either, HTTP gets a JSON 503 with Retry-After and a WebSocket an
+    # error event and close 1013. /health and /metrics are exempt. Behind a proxy every
+    # client has the proxy's address: raise the per-client cap there.
     max_connections: int = 4096
+    max_connections_per_client: int = 64
     # Per Realtime session: items kept in the conversation (a client item past it is refused:
     # delete some to go on; an answer evicts the oldest items instead), their text, and client
     # messages per second (a burst of twice that is allowed).
@@ -62,7 +65,8 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
-                     "max_connections", "max_conversation_items", "max_conversation_bytes", "max_stop_strings"):
+                     "max_connections", "max_connections_per_client", "max_conversation_items",
+                     "max_conversation_bytes", "max_stop_strings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_waiting_requests < 0:

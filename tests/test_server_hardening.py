@@ -4,6 +4,7 @@ Each test pins one fault found by attacking the real server; each failed before 
 """
 
 import asyncio
+import http.client
 import json
 import random
 import socket
@@ -324,21 +325,57 @@ def _websocket_handshake(server, host: str) -> bytes:
         return sock.recv(4096)
 
 
-def test_connections_over_the_cap_are_refused(tiny_llama, tmp_path):
-    capped = ServerProcess(tiny_llama, "--max-connections", "2", log_dir=tmp_path)
+def http_get_from(server, path: str, source: str) -> tuple[int, http.client.HTTPMessage, str]:
+    """GET `path` from the loopback address `source` (the server sees another client)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10, source_address=(source, 0))
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.headers, response.read().decode()
+    finally:
+        connection.close()
+
+
+def test_connections_are_capped_per_client_and_in_all_with_health_exempt(tiny_llama, tmp_path):
+    """uvicorn's limit_concurrency counted every socket: two idle WebSockets made /health and every
+    route answer a plain-text 503. Now: JSON 503 + Retry-After, per client and in all, /health exempt."""
+    capped = ServerProcess(tiny_llama, "--max-connections", "3", "--max-connections-per-client", "2",
+                           log_dir=tmp_path)
+
+    async def refused(ws) -> str:
+        event = json.loads(await ws.recv())
+        assert event["error"]["code"] == "too_many_connections", event
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd.code == 1013
+        return event["error"]["message"]
+
+    def get(path: str, source: str = "127.0.0.1") -> tuple[int, http.client.HTTPMessage, str]:
+        return http_get_from(capped, path, source)
 
     async def scenario():
+        other = {"local_addr": ("127.0.0.2", 0)}
         async with websockets.connect(capped.ws_url) as first, websockets.connect(capped.ws_url) as second:
             for ws in (first, second):
                 assert json.loads(await ws.recv())["type"] == "session.created"
             async with websockets.connect(capped.ws_url) as third:
-                event = json.loads(await third.recv())
-                assert event["error"]["code"] == "too_many_connections"
-                with pytest.raises(websockets.ConnectionClosed) as closed:
-                    await third.recv()
-                assert closed.value.rcvd.code == 1013
-            assert (await asyncio.to_thread(request, "GET", capped.url + "/health"))[0] == 503
-        assert (await asyncio.to_thread(request, "GET", capped.url + "/health"))[0] == 200
+                assert "this client" in await refused(third)
+            status, headers, body = await asyncio.to_thread(get, "/v1/models")
+            assert status == 503 and headers["Retry-After"] == "1", (status, dict(headers), body)
+            assert json.loads(body)["error"]["code"] == "too_many_connections"
+            # Another client still gets in, up to the global cap.
+            async with websockets.connect(capped.ws_url, **other) as elsewhere:
+                assert json.loads(await elsewhere.recv())["type"] == "session.created"
+                async with websockets.connect(capped.ws_url, **other) as over:
+                    assert "the server" in await refused(over)
+                status, _, body = await asyncio.to_thread(get, "/v1/models", "127.0.0.2")
+                assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections"
+                # A full server still says how it is.
+                assert (await asyncio.to_thread(get, "/health"))[0] == 200
+                assert capped.metric("antiphon_connections_open") == 3
+        assert wait_for(lambda: capped.metric("antiphon_connections_open") == 0)
+        for source in ("127.0.0.1", "127.0.0.2"):
+            assert (await asyncio.to_thread(get, "/v1/models", source))[0] == 200
 
     try:
         asyncio.run(scenario())
