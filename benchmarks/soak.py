@@ -112,6 +112,8 @@ def limit_flags(queue_limit: int, max_num_seqs: int) -> list[str]:
 def start_server(args, port: int, log) -> subprocess.Popen:
     command = [sys.executable, "-m", "frontend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--max-num-seqs", str(args.max_num_seqs), *limit_flags(args.queue_limit, args.max_num_seqs),
+               # Every client comes from 127.0.0.1: the per-client cap must not refuse them.
+               "--max-connections-per-client", str(4 * args.clients + 64),
                *args.server_arg]
     if args.model_path:
         command += ["--model", args.model_path]

@@ -124,6 +124,8 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     pid: int
     max_model_len: int = 0
     num_kv_blocks: int = 0
+    # Embeddings the decoder may hold at once: a larger image can never be served.
+    encoder_budget: int = 0
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):

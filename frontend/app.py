@@ -81,7 +81,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         # The same EOS ids as the offline engine: generation_config's, the config's, the tokenizer's.
         eos = eos_token_ids(path, tokenizer)
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
-                                             config.max_prompt_tokens, state.metrics, adapter)
+                                             config.max_prompt_tokens, state.metrics, adapter, config.media_limits(),
+                                             state.client.ready["decoder"].encoder_budget)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
                     "http://%s:%d/v1/chat/completions", state.model_name, host, config.port, host, config.port,

@@ -63,6 +63,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                        help="schedule step N+1 while step N runs (auto: on with CUDA, off on CPU)")
+    group.add_argument("--encoder-cache-size", type=int, default=None,
+                       help="embeddings the encoder cache (and the decoder) may hold (default: derived from the "
+                            "largest image and the token budget, plus one image)")
+    group.add_argument("--no-encoder-cache", action="store_true",
+                       help="turn the global cross-request encoder cache off (every image is encoded)")
+    group.add_argument("--encoder-timeout", type=float, default=60.0, dest="encoder_timeout_s",
+                       help="a request whose image the encoder has not delivered after this long fails")
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +86,15 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
                        help="Host header served (repeatable; * = any; default: loopback names when bound to "
                             "loopback, else any)")
-    group.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    group.add_argument("--max-message-bytes", type=int, default=None,
+                       help="largest HTTP body / WebSocket message (default 1 MiB; for a model that takes "
+                            "images, 1 MiB more than one largest image as base64)")
+    group.add_argument("--max-image-bytes", type=int, default=20 << 20)
+    group.add_argument("--max-image-pixels", type=int, default=16_000_000,
+                       help="width x height, checked from the header before decoding")
+    group.add_argument("--max-images-per-request", type=int, default=8)
+    group.add_argument("--allowed-local-media-path", default=None,
+                       help="a folder whose files requests may name as images (default: none)")
     group.add_argument("--max-prompt-tokens", type=int, default=8192)
     group.add_argument("--default-max-tokens", type=int, default=1024)
     group.add_argument("--max-waiting-requests", type=int, default=4096,
@@ -108,6 +123,27 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                             "costs CPU on both ends and delays tokens)")
 
 
+def _message_bytes(given: int | None, model: str | None, max_image_bytes: int) -> int:
+    """--max-message-bytes, or its default: 1 MiB, and room for one largest image (as a
+    base64 data URL) when the model takes images."""
+    if given is not None:
+        return given
+    base = 1 << 20
+    if model is None:
+        return base  # the embedded default model is text-only
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from engine.adapters import ADAPTERS
+
+    try:
+        takes_images = AutoConfig.from_pretrained(Path(model).expanduser()).model_type in ADAPTERS
+    except (OSError, ValueError):
+        return base  # the model folder is checked, with a clear error, when it loads
+    return base + (max_image_bytes * 4 // 3 + 4 if takes_images else 0)
+
+
 def _serve(args) -> int:
     import uvicorn
 
@@ -122,11 +158,17 @@ def _serve(args) -> int:
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
-            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+            encoder_cache_size=args.encoder_cache_size, enable_encoder_cache=not args.no_encoder_cache,
+            encoder_timeout_s=args.encoder_timeout_s)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),
             cache_salt_per_key=args.cache_salt_per_key, allowed_origins=args.allowed_origins,
-            allowed_hosts=args.allowed_hosts, max_message_bytes=args.max_message_bytes,
+            allowed_hosts=args.allowed_hosts,
+            max_message_bytes=_message_bytes(args.max_message_bytes, args.model, args.max_image_bytes),
+            max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+            max_images_per_request=args.max_images_per_request,
+            allowed_local_media_path=args.allowed_local_media_path,
             max_prompt_tokens=args.max_prompt_tokens, default_max_tokens=args.default_max_tokens,
             max_waiting_requests=args.max_waiting_requests,
             max_concurrent_per_connection=args.max_concurrent_per_connection, max_connections=args.max_connections,
@@ -137,6 +179,7 @@ def _serve(args) -> int:
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
             max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
             worker_timeout_s=args.worker_timeout_s)
+        server_config.media_limits()
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)
         return 2

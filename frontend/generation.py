@@ -66,7 +66,7 @@ class ChatPrompt:
 class GenerationService:
     def __init__(self, client: EngineClient, admission: Admission, tokenizer, eos_token_ids: list[int],
                  max_model_len: int, max_prompt_tokens: int, metrics: Metrics, adapter=None,
-                 media_limits: MediaLimits | None = None) -> None:
+                 media_limits: MediaLimits | None = None, encoder_budget: int = 0) -> None:
         self.client = client
         self.admission = admission
         self.tokenizer = tokenizer
@@ -82,6 +82,7 @@ class GenerationService:
         self.adapter = adapter
         self.media_limits = media_limits if media_limits is not None else MediaLimits()
         self._preprocessing = anyio.CapacityLimiter(max(1, os.cpu_count() or 1))
+        self.encoder_budget = encoder_budget
         # Refuse at start, not on every request, a tokenizer incremental detokenization cannot use.
         RequestOutputProcessor(tokenizer, [], SamplingParams())
 
@@ -119,6 +120,10 @@ class GenerationService:
             return ChatPrompt(token_ids)
         prompt = await self._with_images(token_ids, images)
         self.check_prompt(prompt.token_ids)
+        largest = max(p.length for p in prompt.placeholders)
+        if largest > self.encoder_budget:
+            raise InvalidInput(f"an image of {largest} embeddings is larger than the encoder cache budget of "
+                               f"{self.encoder_budget} (--encoder-cache-size)", "image_too_large", "messages")
         return prompt
 
     async def _with_images(self, token_ids: list[int], sources: list) -> ChatPrompt:

@@ -32,6 +32,12 @@ class ServerConfig:
     # client has the proxy's address: raise the per-client cap there.
     max_connections: int = 4096
     max_connections_per_client: int = 64
+    # Images (engine/media.py): encoded size, pixels (checked before decoding), images per
+    # request, and the one folder whose files may be named as images (None: none).
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 16_000_000
+    max_images_per_request: int = 8
+    allowed_local_media_path: str | None = None
     # Per Realtime session: items kept in the conversation (a client item past it is refused:
     # delete some to go on; an answer evicts the oldest items instead), their text, and client
     # messages per second (a burst of twice that is allowed).
@@ -59,6 +65,16 @@ class ServerConfig:
     worker_restart_window_s: float = 600.0
     # A worker that sends nothing (not even a heartbeat) for this long is killed and restarted.
     worker_timeout_s: float = 30.0
+
+    def media_limits(self):
+        """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
+        from pathlib import Path
+
+        from engine.media import MediaLimits
+
+        folder = Path(self.allowed_local_media_path) if self.allowed_local_media_path else None
+        return MediaLimits(max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
+                           max_images_per_request=self.max_images_per_request, allowed_local_media_path=folder)
 
     def __post_init__(self) -> None:
         for name in ("worker_restart_window_s", "worker_timeout_s"):

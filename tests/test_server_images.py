@@ -244,3 +244,43 @@ def test_chat_page_attaches_an_image_and_streams_the_answer(server, tmp_path):
                              {"messages": messages, "max_tokens": 40, "temperature": 0})
     assert page["answer"] == http["choices"][0]["message"]["content"]
     assert screenshot.stat().st_size > 10_000
+
+
+def test_image_limits_are_flags(vlm, tmp_path):
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    picture(10).save(allowed / "ok.png")
+    picture(11, (600, 600)).save(tmp_path / "outside.png")
+    server = ServerProcess(vlm, "--allowed-local-media-path", str(allowed), "--max-image-pixels", "200000",
+                           "--max-images-per-request", "2", log_dir=tmp_path)
+    try:
+        status, answer = post_json(server.url + "/v1/chat/completions", body(image_message(str(allowed / "ok.png"))))
+        assert status == 200, answer
+        for url, code in [(str(tmp_path / "outside.png"), "local_file_not_allowed"),
+                          (data_url(picture(12, (500, 500))), "image_too_many_pixels")]:
+            status, answer = post_json(server.url + "/v1/chat/completions", body(image_message(url)))
+            assert (status, answer["error"]["code"]) == (400, code), answer
+        three = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(picture(1))}}] * 3}]
+        status, answer = post_json(server.url + "/v1/chat/completions", body(three))
+        assert (status, answer["error"]["code"]) == (400, "too_many_images"), answer
+    finally:
+        assert server.stop() == 0
+
+
+def test_an_image_larger_than_the_encoder_budget_is_a_400(vlm, tmp_path):
+    server = ServerProcess(vlm, "--encoder-cache-size", "8", log_dir=tmp_path)  # the image makes 12
+    try:
+        status, answer = post_json(server.url + "/v1/chat/completions", body(image_message(data_url(picture(1)))))
+        assert (status, answer["error"]["code"]) == (400, "image_too_large"), answer
+        status, answer = post_json(server.url + "/v1/chat/completions", body([{"role": "user", "content": "Hi"}]))
+        assert status == 200, answer
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_large_photo_fits_the_default_message_size_of_a_vision_model(server):
+    photo = picture(13, (1200, 900))  # noise: ~3 MB as PNG, over the text-only 1 MiB
+    url = data_url(photo)
+    assert len(url) > 2 << 20
+    status, answer = post_json(server.url + "/v1/chat/completions", body(image_message(url)))
+    assert status == 200, answer
