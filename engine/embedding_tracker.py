@@ -9,17 +9,19 @@ next step, after the step that used them has run) once every such request is pas
 Items a prefix-cache hit covers are never asked for. Tokens of an item whose embeddings
 have not arrived are never scheduled: `schedulable` cuts a chunk at the item's start.
 
-The budget bounds the runner's memory: an item is asked for only if it fits. Items held
-for requests that are still waiting (not running) give way to a running request's item, so
-a waiting request can never block a running one; an item larger than the whole budget is
-refused when its request arrives. An item that does not arrive within the timeout fails the
+The budget bounds the runner's memory: an item is asked for only if it fits. A request's
+claims are always a prefix of the items it still needs (claiming stops at the first item
+that does not fit), so whatever a request holds, it holds the item it needs next and can
+progress through it. Claims of waiting requests give way, whole request by whole request,
+newest first, to a running request or the head of the queue, so a waiting request can never
+block a running one; an item larger than the whole budget is refused when its request arrives. An item that does not arrive within the timeout fails the
 requests that need it: nothing waits forever.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import MultiModalPlaceholder, Request
@@ -38,9 +40,8 @@ class _Entry:
 
 
 class EmbeddingTracker:
-    def __init__(self, budget: int, timeout_s: float, is_running: Callable[[str], bool]) -> None:
+    def __init__(self, budget: int, timeout_s: float) -> None:
         self.budget = budget
-        self.is_running = is_running
         self.timeout_s = timeout_s
         self.entries: dict[str, _Entry] = {}
         self.used = 0
@@ -74,17 +75,21 @@ class EmbeddingTracker:
                     f"an {item.modality} of {item.length} embeddings is larger than the encoder cache budget "
                     f"of {self.budget} embeddings (encoder_cache_size)")
 
-    def claim(self, request: Request, computed: int, running: bool) -> bool:
-        """Make sure every item the request still needs is held or asked for. Returns False
-        when the budget is full (the caller stops claiming for later requests: first come,
-        first served). A running request may take room held only for waiting requests."""
+    def claim(self, request: Request, computed: int, yielding: Sequence[Request] = ()) -> bool:
+        """Hold or ask for the items the request still needs, in order, up to the first that
+        does not fit. Returns False then (the caller stops claiming for later requests: first
+        come, first served). `yielding`: waiting requests, newest first, whose claims may be
+        released to make room (the request itself is never among them)."""
         for item in self.pending_items(request, computed):
             entry = self.entries.get(item.mm_hash)
             if entry is not None:
                 entry.users.add(request.request_id)
                 continue
-            if self.used + item.length > self.budget and running:
-                self._evict_for(item.length)
+            for other in yielding:
+                if self.used + item.length <= self.budget:
+                    break
+                if other is not request:
+                    self.release(other)
             if self.used + item.length > self.budget:
                 return False
             self.entries[item.mm_hash] = _Entry(item.length, {request.request_id}, time.monotonic())
@@ -92,15 +97,6 @@ class EmbeddingTracker:
             self.to_request.append(item.mm_hash)
             self.num_requested += 1
         return True
-
-    def _evict_for(self, size: int) -> None:
-        # Only arrived items whose users all wait: in-flight ones arrive soon and are then
-        # evictable; a running request's items are in use.
-        for mm_hash, entry in list(self.entries.items()):
-            if self.used + size <= self.budget:
-                return
-            if entry.available and not any(self.is_running(u) for u in entry.users):
-                self._drop(mm_hash)
 
     def schedulable(self, request: Request, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `start` can run: up to the first item whose
@@ -143,16 +139,21 @@ class EmbeddingTracker:
         if self.arrived.pop(mm_hash, None) is None and entry.available:
             self.to_free.append(mm_hash)
 
-    def on_arrival(self, mm_hash: str, embeddings) -> None:
+    def on_arrival(self, mm_hash: str, embeddings) -> bool:
+        """Takes delivered embeddings; False if they do not have the item's length (the
+        caller fails the item's requests rather than feed the model wrong rows)."""
         entry = self.entries.get(mm_hash)
         if entry is None or entry.available:
-            return  # nobody needs it any more (or a duplicate): never reaches the runner
+            return True  # nobody needs it any more (or a duplicate): never reaches the runner
+        if getattr(embeddings, "ndim", 0) != 2 or embeddings.shape[0] != entry.size:
+            return False
         entry.requested_at = None
         self.arrived[mm_hash] = embeddings
         # Dropped and asked for again before the runner heard of the drop: the runner
         # replaces its copy with these (same content) and must keep them.
         if mm_hash in self.to_free:
             self.to_free.remove(mm_hash)
+        return True
 
     def users_of(self, mm_hash: str) -> set[str]:
         entry = self.entries.get(mm_hash)

@@ -61,11 +61,7 @@ class Scheduler:
         # Finished-by-the-scheduler outputs not yet reported (errors found while scheduling).
         self.pending_outputs: list[EngineCoreOutput] = []
         self.num_image_tokens_in = 0
-        self.embeddings = EmbeddingTracker(encoder_budget, config.encoder_timeout_s, self._is_running)
-
-    def _is_running(self, request_id: str) -> bool:
-        request = self.requests.get(request_id)
-        return request is not None and request.status is RequestStatus.RUNNING
+        self.embeddings = EmbeddingTracker(encoder_budget, config.encoder_timeout_s)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -117,24 +113,22 @@ class Scheduler:
         for mm_hash in tracker.overdue():
             self._fail_users(mm_hash, f"the encoder did not deliver an item within "
                                       f"{self.config.encoder_timeout_s:g} s (encoder_timeout_s)")
+        waiting = [r for r in self.waiting if r.mm_placeholders and not r.num_output_placeholders]
+        newest_first = waiting[::-1]
         for request in self.running:
             if request.mm_placeholders:
-                tracker.claim(request, request.num_computed_tokens, running=True)
-        first = True
-        for request in self.waiting:
-            if not request.mm_placeholders or request.num_output_placeholders:
-                continue
+                tracker.claim(request, request.num_computed_tokens, newest_first)
+        for position, request in enumerate(waiting):
             computed = request.num_computed_tokens
             if tracker.holds_all(request, computed):
-                first = False
                 continue
             if computed == 0:
                 # Items a prefix hit covers are never encoded for this request.
                 computed = len(self.kv.find_cached_prefix(request)) * self.block_size
-            # The first in the queue is served next: it may take room held for later ones.
-            if not tracker.claim(request, computed, running=first):
+            # The first image request in the queue is served next: it may take room held
+            # for those behind it.
+            if not tracker.claim(request, computed, newest_first if position == 0 else ()):
                 break
-            first = False
         requested, tracker.to_request = tracker.to_request, []
         return requested
 
@@ -142,8 +136,9 @@ class Scheduler:
         """The encoder delivered an item (or failed it: every request needing it fails)."""
         if error is not None:
             self._fail_users(mm_hash, f"encoding failed: {error}")
-        else:
-            self.embeddings.on_arrival(mm_hash, embeddings)
+        elif not self.embeddings.on_arrival(mm_hash, embeddings):
+            self._fail_users(mm_hash, f"the encoder delivered embeddings of shape "
+                                      f"{tuple(getattr(embeddings, 'shape', ()))} for an item of another length")
 
     def _fail_users(self, mm_hash: str, message: str) -> None:
         for request_id in self.embeddings.users_of(mm_hash):

@@ -6,6 +6,7 @@ pair of identical requests whose shared last block holds part of an image, embed
 forever (vLLM #15294), and requests that spin forever waiting for an encoder (vLLM #26223).
 """
 
+import numpy as np
 import pytest
 
 from engine.config import EngineConfig, encoder_budget
@@ -32,6 +33,11 @@ def add(scheduler, request_id, text_before, image_len, text_after, image="img-a"
     return request
 
 
+def embeddings_for(scheduler, mm_hash):
+    """Stand-in embeddings of the right length (one value per row)."""
+    return np.zeros((scheduler.embeddings.entries[mm_hash].size, 1))
+
+
 class Runner:
     """Checks each step's item rows against what it holds, like the real runner."""
 
@@ -45,7 +51,7 @@ class Runner:
         self.encoder_asks += wanted
         if deliver:
             for mm_hash in wanted:
-                self.scheduler.on_embeddings(mm_hash, f"emb:{mm_hash}")
+                self.scheduler.on_embeddings(mm_hash, embeddings_for(self.scheduler, mm_hash))
         sched = self.scheduler.schedule()
         self.held.update(sched.new_embeddings)
         for rid, count in sched.num_scheduled_tokens.items():
@@ -71,7 +77,7 @@ def test_text_before_an_image_prefills_while_the_image_is_encoded():
     assert sched.num_scheduled_tokens == {"r": 10}
     sched, _ = runner.step(deliver=False)
     assert sched.num_scheduled_tokens == {}  # never a token of the image before its embeddings
-    scheduler.on_embeddings("img-a", "emb")
+    scheduler.on_embeddings("img-a", embeddings_for(scheduler, "img-a"))
     sched, _ = runner.step()
     assert sched.num_scheduled_tokens == {"r": 11}
     assert runner.encoder_asks == ["img-a"]
@@ -176,7 +182,7 @@ def test_a_failed_encoding_fails_only_the_requests_that_need_it():
     wanted = scheduler.plan_encoder_inputs()
     assert wanted == ["img-bad", "img-good"]
     scheduler.on_embeddings("img-bad", error="cannot decode")
-    scheduler.on_embeddings("img-good", "emb")
+    scheduler.on_embeddings("img-good", embeddings_for(scheduler, "img-good"))
     while scheduler.has_unfinished_requests:
         runner.step()
     assert good.status is RequestStatus.FINISHED_LENGTH
@@ -213,8 +219,59 @@ def test_budget_is_shared_first_come_first_served_and_released():
     runner = Runner(scheduler)
     assert scheduler.plan_encoder_inputs() == ["img-0"]  # only one 8-embedding item fits in 10
     for mm_hash in ["img-0"]:
-        scheduler.on_embeddings(mm_hash, "emb")
+        scheduler.on_embeddings(mm_hash, embeddings_for(scheduler, mm_hash))
     while scheduler.has_unfinished_requests:
         runner.step()
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in requests)
     assert scheduler.embeddings.used == 0
+
+
+def add_many(scheduler, request_id, images, gap=3, max_tokens=2):
+    """A request with several 8-embedding images, `gap` text tokens before each."""
+    tokens, placeholders = [], []
+    for image in images:
+        tokens += list(range(1, gap + 1))
+        placeholders.append(MultiModalPlaceholder(len(tokens), 8, image))
+        tokens += [IMAGE_TOKEN] * 8
+    request = Request(request_id, tokens + [5], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                      mm_placeholders=placeholders)
+    scheduler.add_request(request)
+    return request
+
+
+@pytest.mark.parametrize("text_words", [1, 4, 9, 14, 22])
+def test_a_request_never_holds_later_images_without_its_next_one(text_words):
+    # A request with three images and a budget of two: it must not end up running while
+    # holding its second and third images but not its first (it would wait forever).
+    scheduler = make_scheduler(budget=16, max_num_batched_tokens=16)
+    text = add(scheduler, "text", text_words, 0, 0, image=None, max_tokens=3)
+    images = add_many(scheduler, "images", ["i1", "i2", "i3"])
+    runner = Runner(scheduler)
+    for _ in range(100):
+        if not scheduler.has_unfinished_requests:
+            break
+        runner.step()
+    assert text.status is RequestStatus.FINISHED_LENGTH
+    assert images.status is RequestStatus.FINISHED_LENGTH, (images.status, images.num_computed_tokens)
+    assert runner.encoder_asks.count("i1") == 1
+    assert scheduler.embeddings.used == 0 and runner.held == {}
+
+
+def test_claims_are_a_prefix_of_the_items_still_needed():
+    scheduler = make_scheduler(budget=16)
+    request = add_many(scheduler, "r", ["i1", "i2", "i3"])
+    assert scheduler.plan_encoder_inputs() == ["i1", "i2"]
+    assert scheduler.embeddings.users_of("i3") == set()
+
+
+def test_embeddings_of_the_wrong_length_fail_the_request_not_the_engine():
+    scheduler = make_scheduler()
+    request = add(scheduler, "r", 4, 8, 2)
+    other = add(scheduler, "text", 6, 0, 0, image=None)
+    assert scheduler.plan_encoder_inputs() == ["img-a"]
+    scheduler.on_embeddings("img-a", np.zeros((7, 1)))
+    runner = Runner(scheduler)
+    while scheduler.has_unfinished_requests:
+        runner.step()
+    assert request.status is RequestStatus.FINISHED_ERROR and "another length" in request.error
+    assert other.status is RequestStatus.FINISHED_LENGTH
