@@ -42,7 +42,10 @@ def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[
                                         header.modality))
             continue
         frame = next(frames)
-        dtype = np.dtype(header.dtype)
+        try:
+            dtype = np.dtype(header.dtype)
+        except TypeError:
+            raise ValueError(f"item {header.mm_hash[:16]} has an unknown dtype {header.dtype!r}") from None
         if dtype.kind not in "fiu":
             raise ValueError(f"item {header.mm_hash[:16]} has a non-numeric dtype {header.dtype}")
         pixels = np.frombuffer(frame, dtype=dtype).reshape(header.shape)
@@ -67,6 +70,5 @@ def tensor_from_frame(header: protocol.ItemEmbeddings, frame):
     dtype = getattr(torch, header.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {header.dtype!r}")
-    # frombuffer shares the frame's memory; the frame object is kept alive by the tensor.
-    return torch.frombuffer(bytearray(frame) if isinstance(frame, bytes) else frame,
-                            dtype=dtype).reshape(header.shape)
+    # One copy into a writable buffer the tensor owns (torch refuses read-only frames).
+    return torch.frombuffer(bytearray(frame), dtype=dtype).reshape(header.shape)

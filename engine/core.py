@@ -51,6 +51,12 @@ class EngineCore:
         if request.mm_placeholders:
             self.embedding_source.register(request.request_id, items or [])
 
+    def check_request(self, request: Request) -> None:
+        """Raises ValueError if `add_request` would refuse the request; changes nothing."""
+        if request.mm_placeholders and self.embedding_source is None:
+            raise ValueError("this model takes no images or audio")
+        self.scheduler.check_request(request)
+
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         if self.embedding_source is not None:
             request_ids = list(request_ids)

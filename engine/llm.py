@@ -94,6 +94,8 @@ class LLM:
         # Validate everything before queuing anything: a bad prompt leaves no half-added batch.
         try:
             requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+            for request in requests:
+                self.engine.check_request(request)
         except Exception:
             self.engine.discard_unadded_items()
             raise

@@ -98,6 +98,11 @@ class LLMEngine:
         self._items[request_id] = items
         return request
 
+    def check_request(self, message: EngineRequest) -> None:
+        """Raises ValueError if the engine would refuse the request (too long for the KV pool,
+        an image over the encoder budget); queues nothing."""
+        self.core.check_request(to_request(message))
+
     def discard_unadded_items(self) -> None:
         """Forget the items of requests that were made but will not be added."""
         self._items.clear()

@@ -66,6 +66,15 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        if request.mm_placeholders:
+            self.num_image_tokens_in += sum(p.length for p in request.mm_placeholders if p.modality == "image")
+        extend_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raises ValueError if the request could never run here; changes nothing."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens >= self.max_model_len:
@@ -80,10 +89,6 @@ class Scheduler:
             if not self.embeddings.budget:
                 raise ValueError("this model takes no images or audio")
             self.embeddings.check_fits(request)
-            self.num_image_tokens_in += sum(p.length for p in request.mm_placeholders if p.modality == "image")
-        extend_block_hashes(request, self.block_size)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         doomed = [request for request in map(self.requests.get, request_ids)

@@ -196,3 +196,14 @@ def test_an_image_larger_than_the_encoder_budget_is_a_clear_error_not_a_hang(tin
         llm.generate(as_prompt(f"{image} hi", [picture(1)]))
     assert not llm.engine.has_unfinished_requests
     assert len(llm.generate("text still works", SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_a_batch_with_one_refused_image_queues_nothing(tiny_vlms):
+    llm = LLM(str(tiny_vlms["qwen2_vl"]), encoder_cache_size=12)
+    image = llm.engine.adapter.image_placeholder_text
+    big = picture(40, (224, 224))  # more than 12 embeddings
+    with pytest.raises(ValueError, match="larger than the encoder cache budget"):
+        llm.generate([as_prompt(f"{image} a", [picture(1)]), as_prompt(f"{image} b", [big]), "text"])
+    assert not llm.engine.has_unfinished_requests and not llm.engine._items
+    out = llm.generate("next", SamplingParams(max_tokens=2))
+    assert len(out) == 1 and len(out[0].token_ids) == 2

@@ -33,8 +33,9 @@ from workers.process_guard import die_with_parent, exit_on_signals
 
 logger = logging.getLogger("antiphon.encoder")
 
-# Batch sizes warmed up at start (seed 001): the first real batch of each size would
-# otherwise pay for lazy initialisation. Larger batches are split into these.
+# Batch sizes warmed up at start (seed 001): the first real batch of a size would otherwise
+# pay for lazy initialisation. The asks that arrived together are encoded in batches of at
+# most the largest.
 WARM_UP_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -112,7 +113,7 @@ class EncoderWorker:
         if isinstance(message, protocol.RegisterItems):
             try:
                 items = items_from_frames(message.items, [f.buffer for f in frames[1:]])
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 logger.error("request %s: items refused: %s", message.request_id, exc)
                 return True
             self.encoder.register(message.request_id, items)
@@ -153,13 +154,22 @@ class EncoderWorker:
                 self.pixels_wanted.discard(mm_hash)
                 self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="the item was never registered"))
         for start in range(0, len(ready), WARM_UP_BATCH_SIZES[-1]):
-            self.encoder.request(ready[start:start + WARM_UP_BATCH_SIZES[-1]])
+            chunk = ready[start:start + WARM_UP_BATCH_SIZES[-1]]
+            # An item sent without pixels may have left the cache while earlier chunks were
+            # encoded: it waits for its pixels like any other.
+            for mm_hash in [h for h in chunk if not self.encoder.knows(h)]:
+                chunk.remove(mm_hash)
+                self.waiting_asks[mm_hash] = now
+            self.encoder.request(chunk)
             for mm_hash, embeddings, error in self.encoder.poll():
                 if error is not None:
                     self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error=error))
                 else:
                     header, frame = tensor_frame(mm_hash, embeddings)
                     self.embeddings.send_multipart([protocol.encode(header), frame], copy=False)
+            # A long burst must not look like a hung encoder to the frontend's watchdog.
+            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
+                self._beat()
         if ready:
             added, evicted = self.encoder.cache.take_changes()
             if added or evicted:

@@ -86,8 +86,11 @@ class InProcessEncoder:
         try:
             outputs = self.adapter.encode_images(self.tower, items)
         except Exception as exc:  # a bad item must fail its requests, not the engine
-            logger.exception("encoding %d item(s) failed", len(items))
-            return [(item.mm_hash, None, f"{type(exc).__name__}: {exc}") for item in items]
+            if len(items) > 1:
+                # One bad item must not fail the others batched with it: one at a time.
+                return [result for item in items for result in self.encode([item])]
+            logger.exception("encoding item %s failed", items[0].mm_hash[:16])
+            return [(items[0].mm_hash, None, f"{type(exc).__name__}: {exc}")]
         self.cache.stats.items_encoded += len(items)
         results = []
         for item, embeddings in zip(items, outputs):
