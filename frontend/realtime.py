@@ -78,6 +78,10 @@ class RealtimeSession:
 
     # ---- connection ---------------------------------------------------------------------
 
+    @property
+    def _takes_images(self) -> bool:
+        return self.state.generation is not None and self.state.generation.adapter is not None
+
     async def run(self) -> None:
         watchdog = asyncio.create_task(self._close_when_idle())
         try:
@@ -156,7 +160,7 @@ class RealtimeSession:
         if len(self.items) >= self.config.max_conversation_items:
             raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
                                "delete some with conversation.item.delete", "conversation_full", "item")
-        item = _message_item(event.item)
+        item = _message_item(event.item, self._takes_images)
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
@@ -208,7 +212,7 @@ class RealtimeSession:
             raise InvalidInput("audio output is not available on this server yet", "unsupported_modality",
                                "response.output_modalities")
         if out_of_band and options.input is not msgspec.UNSET:
-            items = [_message_item(i) for i in options.input]
+            items = [_message_item(i, self._takes_images) for i in options.input]
         else:
             items = list(self.items.values())
         params = _sampling(self.session, overrides, self.config.default_max_tokens, "response")
@@ -420,8 +424,10 @@ def _settings(settings: SessionSettings) -> dict:
 SESSION_FIELDS = ("output_modalities", "instructions", "max_output_tokens", "temperature", "top_p", "seed")
 
 
-def _message_item(item: MessageItem) -> dict:
+def _message_item(item: MessageItem, takes_images: bool) -> dict:
     parts = item.parts()  # refuses parts of other types
+    if not takes_images and any(part["type"] == "input_image" for part in parts):
+        raise InvalidInput("this model takes no images", "unsupported_content_type", "item.content")
     return {"id": item.id or new_id("item"), "object": "realtime.item", "type": "message",
             "role": item.role, "status": "completed", "content": parts}
 
