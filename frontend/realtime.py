@@ -80,7 +80,7 @@ class RealtimeSession:
 
     @property
     def _takes_images(self) -> bool:
-        return self.state.generation is not None and self.state.generation.adapter is not None
+        return getattr(self.state.generation, "adapter", None) is not None
 
     async def run(self) -> None:
         watchdog = asyncio.create_task(self._close_when_idle())
