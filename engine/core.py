@@ -45,17 +45,19 @@ class EngineCore:
 
     def add_request(self, request: Request, items: list | None = None) -> None:
         """`items`: the request's preprocessed multimodal items, one per placeholder."""
-        if request.mm_placeholders and self.embedding_source is None:
-            raise ValueError("this model takes no images or audio")
+        self._check_has_encoder(request)
         self.scheduler.add_request(request)
         if request.mm_placeholders:
             self.embedding_source.register(request.request_id, items or [])
 
     def check_request(self, request: Request) -> None:
         """Raises ValueError if `add_request` would refuse the request; changes nothing."""
+        self._check_has_encoder(request)
+        self.scheduler.check_request(request)
+
+    def _check_has_encoder(self, request: Request) -> None:
         if request.mm_placeholders and self.embedding_source is None:
             raise ValueError("this model takes no images or audio")
-        self.scheduler.check_request(request)
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         if self.embedding_source is not None:

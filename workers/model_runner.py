@@ -187,9 +187,9 @@ class ModelRunner:
                                              int(ends.max())),
             sample_rows=sample_rows.tolist(),
             logits_index=to_device(logits_index),
-            starts=starts.tolist(),
-            ends=ends.tolist(),
-            query_offsets=query_offsets.tolist(),
+            starts=starts,
+            ends=ends,
+            query_offsets=query_offsets,
         )
 
     def _mrope(self, states, starts, ends, query_offsets, positions: np.ndarray) -> np.ndarray:
@@ -212,7 +212,8 @@ class ModelRunner:
                           batch: "PackedBatch") -> torch.Tensor:
         """Token embeddings, with each item's rows in this step replaced by its embeddings."""
         embeds = self.embed_tokens(input_ids)
-        for state, start, end, q0 in zip(states, batch.starts, batch.ends, batch.query_offsets):
+        for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
+                                         batch.query_offsets.tolist()):
             for item in state.mm_placeholders:
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo >= hi:
@@ -245,10 +246,11 @@ class PackedBatch:
     attention: PagedAttentionMetadata
     sample_rows: list[int]
     logits_index: torch.Tensor
-    # Per row: first and end position computed this step, and where its tokens start in the batch.
-    starts: list[int]
-    ends: list[int]
-    query_offsets: list[int]
+    # Per row: first and end position computed this step, and where its tokens start in the
+    # batch (arrays: only multimodal steps turn them into lists).
+    starts: np.ndarray
+    ends: np.ndarray
+    query_offsets: np.ndarray
 
 
 def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
