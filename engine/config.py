@@ -48,6 +48,9 @@ class EngineConfig:
     # The global cross-request encoder cache (off: every ask of the decoder runs the tower;
     # for measuring what the cache saves).
     enable_encoder_cache: bool = True
+    # Memory of that global cache. It is sized apart from the decoder's budget above: that
+    # one bounds what a step may hold, this one how many distinct images stay encoded.
+    encoder_cache_gib: float = 1.0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")
@@ -60,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.encoder_cache_size is not None and self.encoder_cache_size < 0:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
+        if not self.encoder_cache_gib >= 0:
+            raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
         if not self.encoder_timeout_s > 0:
             raise ValueError(f"encoder_timeout_s must be > 0, got {self.encoder_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -96,9 +101,15 @@ def encoder_budget(config: EngineConfig, max_embeddings_per_item: int) -> int:
     return max(config.max_num_batched_tokens, max_embeddings_per_item) + max_embeddings_per_item
 
 
-def global_encoder_cache_size(config: EngineConfig, max_embeddings_per_item: int) -> int:
-    """The encoder's global cache: the same budget, or nothing when turned off."""
-    return encoder_budget(config, max_embeddings_per_item) if config.enable_encoder_cache else 0
+def global_encoder_cache_size(config: EngineConfig, max_embeddings_per_item: int,
+                              bytes_per_embedding: int) -> int:
+    """Embeddings the encoder's global cache may keep: encoder_cache_gib of them, never fewer
+    than the decoder's budget (what the decoder may ask for at once should fit), nothing
+    when the cache is turned off."""
+    if not config.enable_encoder_cache or not max_embeddings_per_item:
+        return 0
+    by_memory = int(config.encoder_cache_gib * GIB) // max(1, bytes_per_embedding)
+    return max(by_memory, encoder_budget(config, max_embeddings_per_item))
 
 
 def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec,

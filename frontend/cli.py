@@ -64,8 +64,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                        help="schedule step N+1 while step N runs (auto: on with CUDA, off on CPU)")
     group.add_argument("--encoder-cache-size", type=int, default=None,
-                       help="embeddings the encoder cache (and the decoder) may hold (default: derived from the "
+                       help="embeddings the decoder may hold or wait for at once (default: derived from the "
                             "largest image and the token budget, plus one image)")
+    group.add_argument("--encoder-cache-gib", type=float, default=1.0,
+                       help="memory of the encoder's global cross-request cache of image embeddings (default 1)")
     group.add_argument("--no-encoder-cache", action="store_true",
                        help="turn the global cross-request encoder cache off (every image is encoded)")
     group.add_argument("--encoder-timeout", type=float, default=60.0, dest="encoder_timeout_s",
@@ -160,6 +162,7 @@ def _serve(args) -> int:
             max_model_len=args.max_model_len,
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
             encoder_cache_size=args.encoder_cache_size, enable_encoder_cache=not args.no_encoder_cache,
+            encoder_cache_gib=args.encoder_cache_gib,
             encoder_timeout_s=args.encoder_timeout_s)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),

@@ -9,7 +9,7 @@ forever (vLLM #15294), and requests that spin forever waiting for an encoder (vL
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig, encoder_budget
+from engine.config import EngineConfig, encoder_budget, global_encoder_cache_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MultiModalPlaceholder, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -275,3 +275,20 @@ def test_embeddings_of_the_wrong_length_fail_the_request_not_the_engine():
         runner.step()
     assert request.status is RequestStatus.FINISHED_ERROR and "another length" in request.error
     assert other.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_global_encoder_cache_is_sized_by_memory_apart_from_the_decoder_budget():
+    """The decoder's budget holds a step's worth plus one item (seed 003); the global cache
+    must hold many distinct images (benchmark (a): 30 images, 30 encoder runs), so it is sized
+    by memory, never below the decoder's budget, and is 0 when turned off."""
+    config = EngineConfig(model="unused", max_num_batched_tokens=512)
+    decoder = encoder_budget(config, 192)
+    assert decoder == 512 + 192
+    # 1 GiB of 768-wide float32 embeddings.
+    assert global_encoder_cache_size(config, 192, 768 * 4) == (1 << 30) // (768 * 4)
+    tiny = EngineConfig(model="unused", max_num_batched_tokens=512, encoder_cache_gib=1e-6)
+    assert global_encoder_cache_size(tiny, 192, 768 * 4) == decoder
+    off = EngineConfig(model="unused", enable_encoder_cache=False)
+    assert global_encoder_cache_size(off, 192, 768 * 4) == 0
+    with pytest.raises(ValueError, match="encoder_cache_gib"):
+        EngineConfig(model="unused", encoder_cache_gib=-1)

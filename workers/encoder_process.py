@@ -75,11 +75,14 @@ class EncoderWorker:
         if adapter is not None:
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, model_config, device)
-            budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item())
+            budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item(),
+                                               adapter.embedding_size() * dtype.itemsize)
             self.encoder = InProcessEncoder(adapter, dtype, device, budget, track_cache_changes=True)
             seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), adapter.warm_up_item())
-            logger.info("vision encoder of %s loaded; cache budget %d embeddings; warmed up batch sizes %s "
-                        "in %.2f s", path.name, budget, list(WARM_UP_BATCH_SIZES), seconds)
+            logger.info("vision encoder of %s loaded; global cache %d embeddings (%.2f GiB, ~%d of the largest "
+                        "images); warmed up batch sizes %s in %.2f s", path.name, budget,
+                        budget * adapter.embedding_size() * dtype.itemsize / (1 << 30),
+                        budget // adapter.max_embeddings_per_item(), list(WARM_UP_BATCH_SIZES), seconds)
         self.outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
 
     def run(self) -> None:

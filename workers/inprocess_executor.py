@@ -37,7 +37,7 @@ class InProcessExecutor:
         self.embedding_source = None
         if self.adapter is not None and with_encoder:
             self.embedding_source = InProcessEncoder(self.adapter, dtype, device, global_encoder_cache_size(
-                config, self.max_embeddings_per_item))
+                config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.is_accelerated = device.type == "cuda"
