@@ -21,7 +21,7 @@ import torch
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan
+from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, step_metadata
 from workers.sampler import SamplingRow, sample
 
 # Decodes whose context is shorter than this fraction of a group's longest start a new
@@ -120,8 +120,9 @@ class ModelRunner:
             inputs = {"input_ids": batch.input_ids}
         else:
             inputs = {"inputs_embeds": self._input_embeddings(batch.input_ids, states, batch)}
-        logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
-                            logits_to_keep=batch.logits_index, antiphon_attn=batch.attention).logits[0]
+        with step_metadata(batch.attention):
+            logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
+                                  logits_to_keep=batch.logits_index).logits[0]
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
@@ -160,8 +161,11 @@ class ModelRunner:
         slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
 
         decode_rows = np.nonzero(counts == 1)[0]
-        decode_groups = [self._decode_group(table, ends, query_offsets, rows)
-                         for rows in _group_by_length(decode_rows, ends)]
+        row_groups = _group_by_length(decode_rows, ends)
+        all_decodes_in_order = len(row_groups) == 1 and len(decode_rows) == num_rows
+        if all_decodes_in_order:
+            row_groups = [decode_rows]  # batch order: the attention output needs no scatter
+        decode_groups = [self._decode_group(table, ends, query_offsets, rows) for rows in row_groups]
         prefill_spans = []
         for row in np.nonzero(counts > 1)[0].tolist():
             start, end, q0 = int(starts[row]), int(ends[row]), int(query_offsets[row])
@@ -183,8 +187,9 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0),
             positions=(to_device(positions).unsqueeze(0) if rope_positions is None
                        else to_device(rope_positions).unsqueeze(1)),
-            attention=PagedAttentionMetadata(to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches,
-                                             int(ends.max())),
+            attention=PagedAttentionMetadata(
+                to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches, int(ends.max()),
+                all_decodes_in_order=all_decodes_in_order),
             sample_rows=sample_rows.tolist(),
             logits_index=to_device(logits_index),
             starts=starts,
