@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 from engine.executor import KVCacheSpec
+
+# How a CPU may serve the linear layers (workers/cpu_linear.py).
+QUANTIZATION_MODES = ("none", "bf16", "int8")
 
 logger = logging.getLogger("antiphon")
 
@@ -51,6 +55,10 @@ class EngineConfig:
     # Memory of that global cache. It is sized apart from the decoder's budget above: that
     # one bounds what a step may hold, this one how many distinct images stay encoded.
     encoder_cache_gib: float = 1.0
+    # How a CPU serves the linear layers (workers/cpu_linear.py): "none" is exact, "bf16" and
+    # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
+    # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
+    quantization: str = dataclasses.field(default_factory=lambda: os.environ.get("ANTIPHON_QUANTIZATION", "auto"))
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")
@@ -63,6 +71,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.encoder_cache_size is not None and self.encoder_cache_size < 0:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
+        if self.quantization not in ("auto", *QUANTIZATION_MODES):
+            raise ValueError(f"quantization must be auto or one of {', '.join(QUANTIZATION_MODES)}, "
+                             f"got {self.quantization!r}")
         if not self.encoder_cache_gib >= 0:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
         if not self.encoder_timeout_s > 0:

@@ -66,6 +66,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--encoder-cache-size", type=int, default=None,
                        help="embeddings the decoder may hold or wait for at once (default: derived from the "
                             "largest image and the token budget, plus one image)")
+    from engine.config import QUANTIZATION_MODES
+
+    group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
+                       default=os.environ.get("ANTIPHON_QUANTIZATION", "auto"),
+                       help="CPU linear layers: none is exact (float32, oneDNN-packed); bf16 halves the bytes read "
+                            "(fast on CPUs with native bfloat16); int8 quarters them but loses quality on small "
+                            "models; auto (default) is bf16 where the CPU has native bfloat16, else none")
     group.add_argument("--encoder-cache-gib", type=float, default=1.0,
                        help="memory of the encoder's global cross-request cache of image embeddings (default 1)")
     group.add_argument("--no-encoder-cache", action="store_true",
@@ -162,7 +169,7 @@ def _serve(args) -> int:
             max_model_len=args.max_model_len,
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
             encoder_cache_size=args.encoder_cache_size, enable_encoder_cache=not args.no_encoder_cache,
-            encoder_cache_gib=args.encoder_cache_gib,
+            encoder_cache_gib=args.encoder_cache_gib, quantization=args.quantization,
             encoder_timeout_s=args.encoder_timeout_s)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),

@@ -32,7 +32,7 @@ class InProcessExecutor:
         dtype = resolve_dtype(config.dtype, model_config, device)
         served_len = config.max_model_len if config.max_model_len is not None else self.model_max_len
         self.adapter = adapter_for(path, model_config)
-        self.model = load_model(path, model_config, dtype, device, served_len, self.adapter)
+        self.model = load_model(path, model_config, dtype, device, served_len, self.adapter, config.quantization)
         self.max_embeddings_per_item = self.adapter.max_embeddings_per_item() if self.adapter else 0
         self.embedding_source = None
         if self.adapter is not None and with_encoder:

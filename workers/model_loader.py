@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 import torch
 
+from workers.cpu_linear import prepare_linear_layers, resolve_quantization
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -30,9 +35,10 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
 
 
 def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
-               max_model_len: int, adapter=None) -> torch.nn.Module:
+               max_model_len: int, adapter=None, quantization: str = "none") -> torch.nn.Module:
     """Refuses models needing features the engine lacks (before reading weights), then loads.
-    A multimodal family loads through its adapter: the language model without the tower."""
+    A multimodal family loads through its adapter: the language model without the tower.
+    On CPU the linear layers are then made fast in the `quantization` mode (cpu_linear.py)."""
     from transformers import AutoModelForCausalLM
 
     check_config_supported(model_config, max_model_len)
@@ -42,4 +48,13 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
         model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=dtype,
                                                      attn_implementation=ATTENTION_NAME)
     check_model_supported(model)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    mode = resolve_quantization(quantization, device)
+    if device.type == "cpu" and dtype == torch.float32:
+        converted = prepare_linear_layers(model, mode)
+        logger.info("CPU linear layers: %d in mode %s%s", converted, mode,
+                    " (chosen by auto: native bfloat16 here)" if quantization == "auto" and mode == "bf16"
+                    else " (chosen by auto)" if quantization == "auto" else "")
+    elif mode != "none":
+        raise ValueError(f"quantization={mode} needs float32 weights on CPU (got {dtype})")
+    return model

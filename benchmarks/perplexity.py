@@ -1,0 +1,75 @@
+"""Perplexity of the default model on a fixed English text, per CPU mode (--quantization).
+
+The text (benchmarks/data/english.txt, written for this repo) is scored in windows of
+`--window` tokens; each mode converts the same float32 checkpoint with the engine's own code
+(workers/cpu_linear.py), so the numbers say what a mode costs in quality.
+
+    python benchmarks/perplexity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+TEXT = Path(__file__).parent / "data" / "english.txt"
+
+
+def load_text_model(mode: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.checkpoint import ensure_default_model
+    from workers.cpu_linear import prepare_linear_layers
+
+    path = ensure_default_model()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    prepare_linear_layers(model, mode)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@torch.inference_mode()
+def perplexity(model, token_ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) over every token after the first of each window."""
+    total_nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = torch.tensor([token_ids[start:start + window + 1]])
+        if chunk.shape[1] < 2:
+            break
+        logits = model(chunk[:, :-1]).logits[0].float()
+        nll = torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum")
+        total_nll += float(nll)
+        count += chunk.shape[1] - 1
+    return math.exp(total_nll / count)
+
+
+def measure(modes: list[str], window: int) -> dict[str, float]:
+    results = {}
+    for mode in modes:
+        model, tokenizer = load_text_model(mode)
+        token_ids = tokenizer(TEXT.read_text())["input_ids"]
+        results[mode] = perplexity(model, token_ids, window)
+        del model
+    return results
+
+
+def main() -> None:
+    from workers.cpu_linear import QUANTIZATION_MODES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    results = measure(list(QUANTIZATION_MODES), args.window)
+    print("| mode | perplexity | vs none |\n|---|---|---|")
+    for mode, value in results.items():
+        print(f"| {mode} | {value:.3f} | {value / results['none']:.3f}x |")
+    print(f"\n{TEXT.name}, windows of {args.window} tokens; {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

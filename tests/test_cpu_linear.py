@@ -1,0 +1,84 @@
+"""The CPU modes of the linear layers (--quantization): exact stays exact, the others convert
+every linear, keep the embedding table float, and serve through the whole engine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from tests.reference import hf_greedy
+from workers import cpu_linear
+from workers.cpu_linear import PackedLinear, prepare_linear_layers, resolve_quantization
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_float32_linear_computes_what_f_linear_computes(rows, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    x = torch.randn(2, rows, 48)
+    packed = PackedLinear(linear)
+    out = packed(x)
+    assert out.shape == (2, rows, 80) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_linear_takes_and_returns_float32_within_bfloat16_rounding():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    out = PackedLinear(linear, torch.bfloat16)(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, linear(x), rtol=0.05, atol=0.05)
+
+
+def test_auto_picks_bf16_only_where_the_cpu_has_native_bfloat16(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    assert resolve_quantization("auto", cpu) == "bf16"
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    assert resolve_quantization("auto", cpu) == "none"
+    assert resolve_quantization("int8", cpu) == "int8"
+    # CPU kernels are refused on a GPU rather than silently ignored.
+    assert resolve_quantization("auto", torch.device("cuda")) == "none"
+    with pytest.raises(ValueError, match="CPU mode"):
+        resolve_quantization("int8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="unused", quantization="fp4")
+
+
+def test_the_test_suite_runs_in_exact_mode():
+    """Parity tests assert exact mode; conftest makes it the default of EngineConfig."""
+    assert EngineConfig(model="unused").quantization == "none"
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+def test_every_linear_is_converted_and_the_tied_embedding_stays_float(tiny_llama, mode):
+    llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)
+    model = llm.engine.core.executor.model
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    embedding = model.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32
+    if mode == "int8":
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+        assert isinstance(model.lm_head, DynamicQuantizedLinear)
+    else:
+        assert isinstance(model.lm_head, PackedLinear)
+        assert model.lm_head.dtype == (torch.float32 if mode == "none" else torch.bfloat16)
+    outputs = llm.generate([[5, 9, 2, 7, 11], [3, 3, 8]],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+
+
+def test_exact_mode_with_packed_linears_matches_transformers(tiny_llama):
+    prompt = [5, 9, 2, 7, 11, 4, 4, 19]
+    llm = LLM(str(tiny_llama), quantization="none", num_kv_blocks=64)
+    assert isinstance(llm.engine.core.executor.model.lm_head, PackedLinear)
+    [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert output.token_ids == hf_greedy(tiny_llama, prompt, 16)
+
+
+def test_prepare_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="quantization"):
+        prepare_linear_layers(torch.nn.Linear(4, 4), "fp4")

@@ -1,0 +1,113 @@
+"""Linear layers made fast for CPU serving, once at load.
+
+On a CPU a decode step is a chain of one-row matrix products, each reading a whole weight
+matrix from memory, so tokens/s is set by how many bytes the weights take and how fast the
+kernel streams them. The modes of `--quantization` (numbers: README, benchmarks/cpu_peers.py
+and benchmarks/perplexity.py):
+
+- "none" (exact): float32 weights repacked into oneDNN's blocked layout. Same math as
+  `F.linear`; only the order of the additions differs, at rounding level, as it already
+  does between batch sizes. 1.5x faster than `F.linear` for one row here (1.8x for the
+  output matrix), 1.4x for a 500-token prefill.
+- "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
+  accumulates in float32. Half the bytes; fast only where the CPU multiplies bfloat16
+  natively (AVX512-BF16 or AMX). Perplexity within 0.1% of "none" on the default model.
+- "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
+  activations quantized per tensor on the fly. A quarter of the bytes and the fastest
+  here, but small models lose a lot (SmolLM2-135M: perplexity 2.8x), so never the default.
+- "auto" (the default): "bf16" where the CPU has native bfloat16, else "none".
+
+The tied output matrix is repacked as a copy: the token embedding table keeps its float
+weights for lookups.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engine.config import QUANTIZATION_MODES
+
+# Quality bound for the automatic choice: perplexity of the default model within this factor
+# of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x; int8 2.76x.
+AUTO_PERPLEXITY_BOUND = 1.02
+
+
+class PackedLinear(torch.nn.Module):
+    """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16
+    (then the input is rounded to bfloat16 and the output comes back as float32)."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype
+        # The batch-size hint only picks the blocking; any number of rows runs with it.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype), 1)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        rows = x.reshape(-1, self.in_features).to(self.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"
+
+
+def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    linear.qconfig = per_channel_dynamic_qconfig
+    with warnings.catch_warnings():
+        # torch points users of this API at torchao; its CPU kernels are the ones measured
+        # fastest here (torchao's int8 paths run on torch's int8 matmuls, slower on this CPU).
+        warnings.simplefilter("ignore")
+        return DynamicQuantizedLinear.from_float(linear)
+
+
+def can_pack() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them oneDNN emulates bfloat16, slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_quantization(requested: str, device: torch.device) -> str:
+    """The mode a model is served in: "auto" becomes a concrete mode; CPU modes on other
+    devices are refused (their linears are CPU kernels)."""
+    if device.type != "cpu":
+        if requested not in ("auto", "none"):
+            raise ValueError(f"quantization={requested} is a CPU mode; on {device.type} use none")
+        return "none"
+    if requested == "auto":
+        return "bf16" if can_pack() and cpu_has_native_bf16() else "none"
+    return requested
+
+
+def prepare_linear_layers(model: torch.nn.Module, mode: str) -> int:
+    """Replace every float32 nn.Linear of `model` (on CPU) by its fast form; returns how many.
+    Mode "none" without oneDNN keeps the layers as they are."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    if mode == "none" and not can_pack():
+        return 0
+    convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
+               "int8": int8_linear}[mode]
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+               and module.weight.device.type == "cpu"]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, convert(module))
+    return len(targets)
