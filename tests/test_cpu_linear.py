@@ -54,18 +54,21 @@ def test_the_test_suite_runs_in_exact_mode():
 
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
-def test_every_linear_is_converted_and_the_tied_embedding_stays_float(tiny_llama, mode):
+def test_every_linear_is_converted_the_output_matrix_and_the_tied_embedding_stay_float(tiny_llama, mode):
     llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)
     model = llm.engine.core.executor.model
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     embedding = model.get_input_embeddings().weight
     assert embedding.dtype == torch.float32
+    # The output matrix stays float32 in every mode (close logits decide greedy tokens).
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.float32
+    body = model.model.layers[0].mlp.down_proj
     if mode == "int8":
         from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-        assert isinstance(model.lm_head, DynamicQuantizedLinear)
+        assert isinstance(body, DynamicQuantizedLinear)
     else:
-        assert isinstance(model.lm_head, PackedLinear)
-        assert model.lm_head.dtype == (torch.float32 if mode == "none" else torch.bfloat16)
+        assert isinstance(body, PackedLinear)
+        assert body.dtype == (torch.float32 if mode == "none" else torch.bfloat16)
     outputs = llm.generate([[5, 9, 2, 7, 11], [3, 3, 8]],
                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.token_ids) for o in outputs] == [6, 6]

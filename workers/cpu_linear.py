@@ -10,15 +10,18 @@ and benchmarks/perplexity.py):
   does between batch sizes. 1.5x faster than `F.linear` for one row here (1.8x for the
   output matrix), 1.4x for a 500-token prefill.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
-  accumulates in float32. Half the bytes; fast only where the CPU multiplies bfloat16
+  accumulates in float32. Half the bytes (but the output matrix's, below); fast only where the CPU multiplies bfloat16
   natively (AVX512-BF16 or AMX). Perplexity within 0.1% of "none" on the default model.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. A quarter of the bytes and the fastest
   here, but small models lose a lot (SmolLM2-135M: perplexity 2.8x), so never the default.
 - "auto" (the default): "bf16" where the CPU has native bfloat16, else "none".
 
-The tied output matrix is repacked as a copy: the token embedding table keeps its float
-weights for lookups.
+In every mode the output matrix (lm_head) stays float32, packed: greedy choices between
+close logits are where rounding shows first (in bf16 it turned the default model's answer to
+"What is the capital of France?" into French gibberish; float32 logits answer "Paris"). It
+is 20% of the default model's bytes. Being tied to the token embedding table, it is packed
+as a copy; the table keeps its float weights for lookups.
 """
 
 from __future__ import annotations
@@ -103,11 +106,13 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str) -> int:
         return 0
     convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
                "int8": int8_linear}[mode]
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, module) for name, module in model.named_modules()
                if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                and module.weight.device.type == "cpu"]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, convert(module))
+        keep_float = module is output_layer and can_pack()
+        setattr(parent, child, PackedLinear(module) if keep_float else convert(module))
     return len(targets)
