@@ -299,9 +299,13 @@ def report(results, startup, default_mode, bandwidth, bytes_per_token, limit, pe
     print(f"{streams} streams vs one stream: exact {med('exact', 'batch') / exact:.2f}x, "
           f"default {med('default', 'batch') / med('default', 'decode'):.2f}x (aim: > 6)")
     if perplexities:
-        print("\n| mode | perplexity (benchmarks/data/english.txt) | vs none |\n|---|---|---|")
+        from workers.cpu_linear import AUTO_PERPLEXITY_BOUND
+
+        print(f"\n| mode | perplexity (benchmarks/data/english.txt) | vs none | within auto's bound "
+              f"({AUTO_PERPLEXITY_BOUND}x) |\n|---|---|---|---|")
         for mode, value in perplexities.items():
-            print(f"| {mode} | {value:.2f} | {value / perplexities['none']:.3f}x |")
+            ratio = value / perplexities["none"]
+            print(f"| {mode} | {value:.2f} | {ratio:.3f}x | {'yes' if ratio <= AUTO_PERPLEXITY_BOUND else 'no'} |")
 
 
 def cpu_name() -> str:

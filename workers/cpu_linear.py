@@ -14,7 +14,7 @@ and benchmarks/perplexity.py):
   natively (AVX512-BF16 or AMX). Perplexity within 0.1% of "none" on the default model.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. A quarter of the bytes and the fastest
-  here, but small models lose a lot (SmolLM2-135M: perplexity 2.8x), so never the default.
+  here, but small models lose a lot (SmolLM2-135M: perplexity 2.5x), so never the default.
 - "auto" (the default): "bf16" where the CPU has native bfloat16, else "none".
 
 In every mode the output matrix (lm_head) stays float32, packed: greedy choices between
@@ -33,7 +33,7 @@ import torch
 from engine.config import QUANTIZATION_MODES
 
 # Quality bound for the automatic choice: perplexity of the default model within this factor
-# of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x; int8 2.76x.
+# of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x; int8 2.51x.
 AUTO_PERPLEXITY_BOUND = 1.02
 
 
