@@ -284,3 +284,31 @@ def test_a_large_photo_fits_the_default_message_size_of_a_vision_model(server):
     assert len(url) > 2 << 20
     status, answer = post_json(server.url + "/v1/chat/completions", body(image_message(url)))
     assert status == 200, answer
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_every_family_serves_concurrent_image_requests_with_async_scheduling(family, tmp_path):
+    """Qwen2.5-VL and LLaVA through the real server too, with asynchronous scheduling on (step
+    N+1 scheduled while step N runs), four requests with different images at once: every
+    answer equals transformers' greedy tokens for its own image."""
+    vlm = save_tiny_vlm(family, tmp_path / family)
+    server = ServerProcess(vlm, "--async-scheduling", "on", log_dir=tmp_path)
+    try:
+        images = [picture(40 + i) for i in range(4)]
+        answers: dict[int, tuple[int, dict]] = {}
+
+        def ask(index: int) -> None:
+            answers[index] = post_json(server.url + "/v1/chat/completions",
+                                       body(image_message(data_url(images[index]))))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(images))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        for index, image in enumerate(images):
+            status, answer = answers[index]
+            assert status == 200, answer
+            assert answer["choices"][0]["token_ids"] == reference(vlm, image), (family, index)
+    finally:
+        assert server.stop() == 0, server.log_text()
