@@ -81,3 +81,30 @@ def test_attention_refuses_features_the_loader_missed(kwargs, feature):
     # A window covering every context in the step masks nothing: computed as plain attention.
     out, _ = paged_attention(_Layer(), q, k, v, None, scaling=0.25, antiphon_attn=meta, sliding_window=tokens)
     assert out.shape == (1, tokens, heads, dim)
+
+
+def test_step_metadata_is_per_thread():
+    """Two engines in one process, each stepping in its own thread (asynchronous scheduling),
+    must not see each other's step metadata."""
+    import threading
+
+    from workers.paged_attention import attend, step_metadata
+
+    heads, dim = 2, 4
+    seen = {}
+    barrier = threading.Barrier(2)
+
+    def run(tokens: int) -> None:
+        cache = torch.zeros(32, heads, dim)
+        meta = PagedAttentionMetadata(torch.arange(tokens), [], [], [(cache, cache.clone())], max_context_len=tokens)
+        with step_metadata(meta):
+            barrier.wait()  # both threads inside their blocks at once
+            q = torch.randn(tokens, heads, dim)
+            seen[tokens] = attend(None, 0, q, q, q, 0.5, None).shape[0]
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in (3, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {3: 3, 5: 5}

@@ -12,6 +12,7 @@ the forward), not through the model's arguments, which then carry only tensors.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -61,19 +62,19 @@ class UnsupportedAttentionFeature(RuntimeError):
     """The model asked for an attention variant this function does not compute."""
 
 
-_current_step: PagedAttentionMetadata | None = None
+# Per thread: a forward runs entirely in the thread that calls the model, and two engines in
+# one process (each with its own step thread under asynchronous scheduling) may run at once.
+_current = threading.local()
 
 
 @contextlib.contextmanager
 def step_metadata(meta: PagedAttentionMetadata):
-    """The metadata every attention layer of the forward run inside this block uses. One
-    forward runs at a time in a process (the runner's), so a module global suffices."""
-    global _current_step
-    _current_step = meta
+    """The metadata every attention layer of a forward run inside this block uses."""
+    _current.step = meta
     try:
         yield
     finally:
-        _current_step = None
+        _current.step = None
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -96,7 +97,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def attend(meta: PagedAttentionMetadata | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] of the packed step -> [T, Hq, D]."""
-    meta = meta if meta is not None else _current_step
+    meta = meta if meta is not None else getattr(_current, "step", None)
     if meta is None:
         raise RuntimeError("antiphon_paged attention needs the step's metadata (workers.paged_attention.step_metadata)")
     # A window no shorter than every context in the step masks nothing: it computes the same.
