@@ -9,10 +9,10 @@ Engines, taking turns within every repetition (this machine's speed drifts over 
     run one after another
   - transformers `generate` (float32, sdpa), one stream only
 
-Measured, median over the repetitions, same token ids for every engine:
+Measured, median over the repetitions, the same chat token ids for every engine:
   one stream: decode tok/s after the first token of a 128-token greedy answer to a chat turn,
-  and that turn's time to first token; prefill of 500 tokens (tok/s; fresh ids each time, so
-  no cache hit); 16 streams x 128 tokens, total tok/s.
+  and that turn's time to first token; prefill of 500 tokens (tok/s; fresh random ids of that
+  length for every engine and round, so no cache hit); 16 streams x 128 tokens, total tok/s.
 Then: the float32 bandwidth limit (memory read GB/s measured here / float32 bytes read per
 token), the modes' perplexity (benchmarks/perplexity.py), and the engines' startup time.
 

@@ -69,10 +69,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from engine.config import QUANTIZATION_MODES
 
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
-                       default=os.environ.get("ANTIPHON_QUANTIZATION", "auto"),
+                       default=None,
                        help="CPU linear layers: none is exact (float32, oneDNN-packed); bf16 halves the bytes read "
                             "(fast on CPUs with native bfloat16); int8 quarters them but loses quality on small "
-                            "models; auto (default) is bf16 where the CPU has native bfloat16, else none")
+                            "models; auto (default, or $ANTIPHON_QUANTIZATION) is bf16 where the CPU has native bfloat16, "
+                            "else none")
     group.add_argument("--encoder-cache-gib", type=float, default=1.0,
                        help="memory of the encoder's global cross-request cache of image embeddings (default 1)")
     group.add_argument("--no-encoder-cache", action="store_true",
@@ -169,7 +170,9 @@ def _serve(args) -> int:
             max_model_len=args.max_model_len,
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
             encoder_cache_size=args.encoder_cache_size, enable_encoder_cache=not args.no_encoder_cache,
-            encoder_cache_gib=args.encoder_cache_gib, quantization=args.quantization,
+            encoder_cache_gib=args.encoder_cache_gib,
+            # Unset: EngineConfig's default ($ANTIPHON_QUANTIZATION, else auto).
+            **({} if args.quantization is None else {"quantization": args.quantization}),
             encoder_timeout_s=args.encoder_timeout_s)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),

@@ -85,3 +85,27 @@ def test_exact_mode_with_packed_linears_matches_transformers(tiny_llama):
 def test_prepare_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="quantization"):
         prepare_linear_layers(torch.nn.Linear(4, 4), "fp4")
+
+
+def test_auto_serves_a_non_float32_model_as_loaded_and_explicit_modes_refuse_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    assert resolve_quantization("auto", cpu, torch.bfloat16) == "none"
+    with pytest.raises(ValueError, match="float32"):
+        resolve_quantization("int8", cpu, torch.bfloat16)
+
+
+def test_packed_linear_shows_a_weight_with_the_shape_and_type_modeling_code_reads():
+    packed = PackedLinear(torch.nn.Linear(16, 24), torch.bfloat16)
+    assert packed.weight.shape == (24, 16) and packed.weight.dtype == torch.float32
+    assert packed.weight.untyped_storage().nbytes() <= 4  # a stand-in, not a copy
+
+
+def test_bf16_keeps_the_bias_in_float32():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        linear.bias.fill_(1000.123)  # bfloat16 keeps ~3 significant digits: 1000.0
+        linear.weight.zero_()
+    out = PackedLinear(linear, torch.bfloat16)(torch.randn(2, 8))
+    torch.testing.assert_close(out, torch.full((2, 4), 1000.123))

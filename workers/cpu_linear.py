@@ -10,14 +10,16 @@ and benchmarks/perplexity.py):
   does between batch sizes. 1.5x faster than `F.linear` for one row here (1.8x for the
   output matrix), 1.4x for a 500-token prefill.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
-  accumulates in float32. Half the bytes (but the output matrix's, below); fast only where the CPU multiplies bfloat16
+  rounds the product to bfloat16 too; the bias is added in float32. Half the bytes (but the
+  output matrix's, below); fast only where the CPU multiplies bfloat16
   natively (AVX512-BF16 or AMX). Perplexity within 0.1% of "none" on the default model.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. A quarter of the bytes and the fastest
   here, but small models lose a lot (SmolLM2-135M: perplexity 2.5x), so never the default.
 - "auto" (the default): "bf16" where the CPU has native bfloat16, else "none".
 
-In every mode the output matrix (lm_head) stays float32, packed: greedy choices between
+In every mode (where oneDNN is available, as in torch's x86 wheels) the output matrix (lm_head)
+stays float32, packed: greedy choices between
 close logits are where rounding shows first (in bf16 it turned the default model's answer to
 "What is the capital of France?" into French gibberish; float32 logits answer "Paris"). It
 is 20% of the default model's bytes. Being tied to the token embedding table, it is packed
@@ -38,21 +40,31 @@ AUTO_PERPLEXITY_BOUND = 1.02
 
 
 class PackedLinear(torch.nn.Module):
-    """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16
-    (then the input is rounded to bfloat16 and the output comes back as float32)."""
+    """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16.
+    In bfloat16 the input is rounded to bfloat16 and so is the product (oneDNN returns the
+    weight's type); it goes back to float32 before the bias, which stays float32 (Qwen2's
+    large q/k biases would lose digits in bfloat16)."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = dtype
         # The batch-size hint only picks the blocking; any number of rows runs with it.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype), 1)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach().to(dtype), 1), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        # Some modeling code reads `layer.weight.dtype` / `.shape` (e.g. to cast its input):
+        # a free stand-in with the shape and the float32 type this module takes.
+        self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
-        rows = x.reshape(-1, self.in_features).to(self.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        if self.dtype == torch.float32:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows.to(self.dtype), self.packed_weight, None, "none", [], "")
+            out = out.float() if self.bias is None else out.float() + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(input_dtype)
 
     def extra_repr(self) -> str:
@@ -85,15 +97,21 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_quantization(requested: str, device: torch.device) -> str:
-    """The mode a model is served in: "auto" becomes a concrete mode; CPU modes on other
-    devices are refused (their linears are CPU kernels)."""
-    if device.type != "cpu":
-        if requested not in ("auto", "none"):
-            raise ValueError(f"quantization={requested} is a CPU mode; on {device.type} use none")
-        return "none"
+def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The mode a model is served in: "auto" becomes a concrete mode (a float32 model on CPU
+    may go faster; anything else is served as loaded); a CPU mode the model or the machine
+    cannot run is refused before any weight is read."""
     if requested == "auto":
-        return "bf16" if can_pack() and cpu_has_native_bf16() else "none"
+        serves_float32_on_cpu = device.type == "cpu" and dtype == torch.float32
+        return "bf16" if serves_float32_on_cpu and can_pack() and cpu_has_native_bf16() else "none"
+    if requested != "none":
+        if device.type != "cpu":
+            raise ValueError(f"quantization={requested} is a CPU mode; on {device.type} use none")
+        if dtype != torch.float32:
+            raise ValueError(f"quantization={requested} converts float32 weights; the model loads as {dtype} "
+                             "(use --dtype float32, or quantization none)")
+        if requested == "bf16" and not can_pack():
+            raise ValueError("quantization=bf16 needs oneDNN (torch.backends.mkldnn), not available here")
     return requested
 
 
@@ -107,12 +125,16 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str) -> int:
     convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
                "int8": int8_linear}[mode]
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [(name, module) for name, module in model.named_modules()
-               if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
-               and module.weight.device.type == "cpu"]
-    for name, module in targets:
+    names = [name for name, module in model.named_modules()
+             if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+             and module.weight.device.type == "cpu"]
+    # One at a time, so each original weight is freed as its replacement is made (peak memory
+    # is the model plus one matrix, not twice the model).
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, child)
         keep_float = module is output_layer and can_pack()
         setattr(parent, child, PackedLinear(module) if keep_float else convert(module))
-    return len(targets)
+        del module
+    return len(names)

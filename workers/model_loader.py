@@ -42,6 +42,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     from transformers import AutoModelForCausalLM
 
     check_config_supported(model_config, max_model_len)
+    mode = resolve_quantization(quantization, device, dtype)
     if adapter is not None:
         model = adapter.load_language_model(dtype, device, ATTENTION_NAME)
     else:
@@ -49,12 +50,9 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
                                                      attn_implementation=ATTENTION_NAME)
     check_model_supported(model)
     model = model.to(device).eval()
-    mode = resolve_quantization(quantization, device)
     if device.type == "cpu" and dtype == torch.float32:
         converted = prepare_linear_layers(model, mode)
         logger.info("CPU linear layers: %d in mode %s%s", converted, mode,
                     " (chosen by auto: native bfloat16 here)" if quantization == "auto" and mode == "bf16"
                     else " (chosen by auto)" if quantization == "auto" else "")
-    elif mode != "none":
-        raise ValueError(f"quantization={mode} needs float32 weights on CPU (got {dtype})")
     return model

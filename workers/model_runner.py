@@ -25,7 +25,7 @@ from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, Prefill
 from workers.sampler import SamplingRow, sample
 
 # Decodes whose context is shorter than this fraction of a group's longest start a new
-# group: fewer padded keys to read, at the cost of one more batched matmul per layer.
+# group: fewer padded keys to read, at the cost of one more attention call per layer.
 DECODE_GROUP_MIN_FILL = 0.5
 
 

@@ -70,11 +70,12 @@ _current = threading.local()
 @contextlib.contextmanager
 def step_metadata(meta: PagedAttentionMetadata):
     """The metadata every attention layer of a forward run inside this block uses."""
+    previous = getattr(_current, "step", None)
     _current.step = meta
     try:
         yield
     finally:
-        _current.step = None
+        _current.step = previous
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
