@@ -28,13 +28,13 @@ def test_a_spoken_question_is_transcribed_word_for_word(recognizer, question):
 
 
 def test_the_short_window_transcribes_as_the_full_thirty_seconds(recognizer, monkeypatch):
-    clips = [spoken(t) for t in ("Hello.", "Please turn off the lights in the kitchen.")]
+    clips = [spoken(t) for t in ("Hello.", "What is the weather like today?")]
     short = [recognizer.transcribe(clip) for clip in clips]
     monkeypatch.setattr(recognizer_module, "MIN_WINDOW_S", 30)
     full = [recognizer.transcribe(clip) for clip in clips]
     # The same words (punctuation may differ: the window changes the decoder's inputs).
     assert [words(t.text) for t in short] == [words(t.text) for t in full]
-    assert words(short[1].text) == words("Please turn off the lights in the kitchen.")
+    assert words(short[1].text) == words("What is the weather like today?")
     # The point of the short window: encoding a 0.7 s clip costs far less than 30 s would.
     assert short[0].encode_seconds < full[0].encode_seconds
 
