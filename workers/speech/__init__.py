@@ -1,0 +1,1 @@
+"""Speech models: recognition, synthesis, voice activity."""
