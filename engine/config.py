@@ -59,6 +59,12 @@ class EngineConfig:
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
     quantization: str = dataclasses.field(default_factory=lambda: os.environ.get("ANTIPHON_QUANTIZATION", "auto"))
+    # Voice, when served: speech recognition in the encoder process, synthesis in the talker.
+    # The models: a Whisper folder (None: the packaged tiny.en) and a Piper .onnx voice
+    # (None: the packaged "joe" voice).
+    voice: bool = False
+    asr_model: str | None = None
+    tts_voice: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_stalled_steps")

@@ -1,4 +1,4 @@
-"""Wire messages between the frontend, the decoder and the encoder.
+"""Wire messages between the frontend, the decoder, the encoder and the talker.
 
 Every process imports these structs; they travel as msgpack over ZeroMQ. Nothing is
 pickled. One decoder step sends one `StepOutputs` carrying the new tokens of every request
@@ -65,7 +65,32 @@ class EncodeItems(msgspec.Struct, tag="encode"):
     mm_hashes: list[str]
 
 
-EncoderInput = RegisterItems | ReleaseItems | EncodeItems | Shutdown
+class TranscribeAudio(msgspec.Struct, tag="transcribe"):
+    """Frontend -> encoder: recognize one clip (the next frame: float32 samples at 16 kHz)."""
+
+    request_id: str
+
+
+EncoderInput = RegisterItems | ReleaseItems | EncodeItems | TranscribeAudio | Shutdown
+
+
+class SpeakText(msgspec.Struct, tag="speak", kw_only=True):
+    """Frontend -> talker: more text of one spoken answer. The talker cuts the text into
+    clauses and synthesizes each as soon as it is complete; `final` says no more text follows.
+    `sample_rate`: the rate the client hears (the first message of an answer sets it)."""
+
+    request_id: str
+    text: str
+    final: bool = False
+    sample_rate: int = 24000
+    speed: float = 1.0
+
+
+class CancelSpeech(msgspec.Struct, tag="cancel_speech"):
+    request_ids: list[str]
+
+
+TalkerInput = SpeakText | CancelSpeech | Shutdown
 
 
 class ItemEmbeddings(msgspec.Struct, tag="embeddings", kw_only=True):
@@ -158,6 +183,29 @@ class EncoderStats(msgspec.Struct, tag="encoder_stats", kw_only=True):
     cache_items: int = 0
 
 
+class AudioTranscript(msgspec.Struct, tag="transcript", kw_only=True):
+    """Encoder -> frontend: what a TranscribeAudio clip said, or why it could not be heard."""
+
+    request_id: str
+    text: str = ""
+    no_speech_probability: float = 0.0
+    audio_seconds: float = 0.0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class SpeechAudio(msgspec.Struct, tag="speech_audio", kw_only=True):
+    """Talker -> frontend, on the speech socket: the next piece of an answer's audio (the next
+    frame: 16-bit little-endian mono PCM at `sample_rate`; absent when empty). `text` is the
+    clause it speaks. `final`: the answer's audio is complete (or failed: `error`)."""
+
+    request_id: str
+    sample_rate: int
+    text: str = ""
+    final: bool = False
+    error: str | None = None
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     """Sent by a worker's main loop (never a side thread) at least every HEARTBEAT_INTERVAL_S
     while it is idle or between steps, so the frontend can tell a hung worker from a busy one."""
@@ -169,13 +217,16 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
 # How often an idle worker's main loop reports that it is alive.
 HEARTBEAT_INTERVAL_S = 1.0
 
-WorkerOutput = StepOutputs | WorkerReady | WorkerFailed | Heartbeat | EncoderStats | CacheChanges | ItemsMissing
+WorkerOutput = (StepOutputs | WorkerReady | WorkerFailed | Heartbeat | EncoderStats | CacheChanges | ItemsMissing
+                | AudioTranscript)
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(DecoderInput)
 _output_decoder = msgspec.msgpack.Decoder(WorkerOutput)
 _encoder_input_decoder = msgspec.msgpack.Decoder(EncoderInput)
 _embeddings_decoder = msgspec.msgpack.Decoder(ItemEmbeddings)
+_talker_input_decoder = msgspec.msgpack.Decoder(TalkerInput)
+_speech_decoder = msgspec.msgpack.Decoder(SpeechAudio)
 
 
 def encode(message) -> bytes:
@@ -196,3 +247,11 @@ def decode_encoder_input(data: bytes) -> EncoderInput:
 
 def decode_embeddings(data: bytes) -> ItemEmbeddings:
     return _embeddings_decoder.decode(data)
+
+
+def decode_talker_input(data: bytes) -> TalkerInput:
+    return _talker_input_decoder.decode(data)
+
+
+def decode_speech(data: bytes) -> SpeechAudio:
+    return _speech_decoder.decode(data)

@@ -24,6 +24,7 @@ from frontend.host_guard import HostGuard
 from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
                              key_from_subprotocols, origin_allowed)
 from frontend.metrics import Metrics
+from frontend.openai_audio import AudioEndpoints
 from frontend.openai_http import ChatCompletions, error_response
 from frontend.realtime import RealtimeSession
 from frontend.server_config import ServerConfig
@@ -62,6 +63,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                   worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
+    audio = AudioEndpoints(state)
     connections = OpenConnections(config.max_connections, config.max_connections_per_client)
 
     @contextlib.asynccontextmanager
@@ -75,7 +77,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.started = int(time.time())
         tokenizer = load_tokenizer(path)
         adapter = image_adapter(path)
-        logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
+        if engine_config.voice:
+            logger.info("starting the decoder, encoder and talker processes (the first two import torch and load "
+                        "%s; the encoder also loads Whisper, the talker a Piper voice); --no-voice skips speech",
+                        path.name)
+        else:
+            logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
         await state.client.start()
         max_model_len = state.client.ready["decoder"].max_model_len
         # The same EOS ids as the offline engine: generation_config's, the config's, the tokenizer's.
@@ -85,8 +92,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                              state.client.ready["decoder"].encoder_budget)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
-                    "http://%s:%d/v1/chat/completions", state.model_name, host, config.port, host, config.port,
-                    host, config.port)
+                    "http://%s:%d/v1/chat/completions%s", state.model_name, host, config.port, host, config.port,
+                    host, config.port, ", /v1/audio/transcriptions, /v1/audio/speech" if engine_config.voice else "")
         try:
             yield
         finally:
@@ -94,7 +101,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
 
     async def health(request: Request) -> Response:
         if state.client.healthy:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "voice": state.client.voice_status})
         return JSONResponse({"status": "unhealthy", "reason": state.client.status}, status_code=503)
 
     async def metrics(request: Request) -> Response:
@@ -164,6 +171,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         Route("/metrics", metrics),
         Route("/v1/models", authorized(chat.models)),
         Route("/v1/chat/completions", authorized(chat.create), methods=["POST"]),
+        Route("/v1/audio/transcriptions", authorized(audio.transcriptions), methods=["POST"]),
+        Route("/v1/audio/speech", authorized(audio.speech), methods=["POST"]),
         WebSocketRoute("/v1/realtime", realtime),
         Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
     ]

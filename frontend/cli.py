@@ -128,6 +128,18 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                        help="seconds over which a worker's restarts are counted against --max-worker-restarts")
     group.add_argument("--worker-timeout", type=float, default=30.0, dest="worker_timeout_s",
                        help="a worker that sends nothing for this many seconds is killed and restarted")
+    group.add_argument("--no-voice", action="store_true",
+                       help="serve text only: no speech recognition (encoder) nor synthesis (talker process)")
+    group.add_argument("--asr-model", default=None,
+                       help="a local Whisper folder for speech recognition (default: the packaged tiny.en)")
+    group.add_argument("--tts-voice", default=None,
+                       help="a Piper voice .onnx file (its .onnx.json beside it; default: the packaged joe voice)")
+    group.add_argument("--max-audio-bytes", type=int, default=25 << 20, help="largest audio upload")
+    group.add_argument("--max-audio-seconds", type=float, default=600.0, help="longest audio upload")
+    group.add_argument("--max-speech-input-chars", type=int, default=4096,
+                       help="longest text one /v1/audio/speech request may speak")
+    group.add_argument("--max-audio-buffer-seconds", type=float, default=120.0,
+                       help="audio a Realtime session may buffer before a commit (and one input_audio part)")
     group.add_argument("--ws-compression", action="store_true",
                        help="accept permessage-deflate on WebSockets (off: compressing every small event "
                             "costs CPU on both ends and delays tokens)")
@@ -173,7 +185,8 @@ def _serve(args) -> int:
             encoder_cache_gib=args.encoder_cache_gib,
             # Unset: EngineConfig's default ($ANTIPHON_QUANTIZATION, else auto).
             **({} if args.quantization is None else {"quantization": args.quantization}),
-            encoder_timeout_s=args.encoder_timeout_s)
+            encoder_timeout_s=args.encoder_timeout_s, voice=not args.no_voice, asr_model=args.asr_model,
+            tts_voice=args.tts_voice)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),
             cache_salt_per_key=args.cache_salt_per_key, allowed_origins=args.allowed_origins,
@@ -191,7 +204,9 @@ def _serve(args) -> int:
             max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
             max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
-            worker_timeout_s=args.worker_timeout_s)
+            worker_timeout_s=args.worker_timeout_s, max_audio_bytes=args.max_audio_bytes,
+            max_audio_seconds=args.max_audio_seconds, max_speech_input_chars=args.max_speech_input_chars,
+            max_audio_buffer_seconds=args.max_audio_buffer_seconds)
         server_config.media_limits()
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)

@@ -10,6 +10,11 @@ Requests with images register their preprocessed items with the encoder (pixels 
 before they go to the decoder, and release them when they end; the decoder asks the encoder
 for embeddings itself, on sockets of their own.
 
+With voice on, the encoder also transcribes clips (`transcribe`), and a third worker, the
+talker, speaks answers (`open_speech`, `speak`, `cancel_speech`): its audio comes back on a
+socket of its own, read by a fourth task. Losing the talker fails the answers being spoken,
+not text: /health stays healthy while it restarts (`voice_status` says why voice is down).
+
 A worker is lost when its process exits or when it sends nothing (no heartbeat, no step
 output) for `worker_timeout_s`; a silent one is killed. Either way every in-flight request
 that needed it ends with an error (all of them for the decoder, those with items for the
@@ -22,6 +27,7 @@ non-zero).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import shutil
@@ -44,6 +50,10 @@ logger = logging.getLogger("antiphon.frontend")
 
 WORKER_START_TIMEOUT_S = 600.0
 WORKERS = ("encoder", "decoder")
+VOICE_WORKERS = ("encoder", "decoder", "talker")
+# A clip waits this long for its transcript before the request fails (a hung encoder is
+# caught by the watchdog sooner; this bounds a lost reply).
+TRANSCRIBE_TIMEOUT_S = 120.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -63,7 +73,9 @@ class EngineClient:
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
         self.context = zmq.asyncio.Context()
         self.addresses = {name: f"ipc://{self.run_dir}/{name}"
-                          for name in ("decoder-in", "encoder-in", "outputs", "encoder-asks", "embeddings")}
+                          for name in ("decoder-in", "encoder-in", "talker-in", "outputs", "speech",
+                                       "encoder-asks", "embeddings")}
+        self.workers = VOICE_WORKERS if config.voice else WORKERS
         self.from_workers = self.context.socket(zmq.PULL)
         self.from_workers.bind(self.addresses["outputs"])
         self.to_workers: dict[str, zmq.asyncio.Socket] = {}
@@ -87,13 +99,21 @@ class EngineClient:
         self.encoder_stats = protocol.EncoderStats()
         self.ready: dict[str, protocol.WorkerReady] = {}
         self.status = "starting"
-        self.budgets = {worker: RestartBudget(max_restarts, restart_window_s) for worker in WORKERS}
+        self.budgets = {worker: RestartBudget(max_restarts, restart_window_s) for worker in self.workers}
         # For /metrics: restarts since start per worker, and AbortRequests messages sent.
-        self.restarts = {worker: 0 for worker in WORKERS}
+        self.restarts = {worker: 0 for worker in self.workers}
         self.abort_messages_sent = 0
         # Workers that reported ready and have not been lost since.
         self._running: set[str] = set()
-        self._last_heard = {worker: 0.0 for worker in WORKERS}
+        self._last_heard = {worker: 0.0 for worker in self.workers}
+        # Voice: clips waiting for their transcript, and answers being spoken (their audio).
+        self._transcripts: dict[str, asyncio.Future] = {}
+        self.speech_queues: dict[str, asyncio.Queue] = {}
+        self.voice_status = "ready" if config.voice else "voice is off (--no-voice)"
+        self.from_talker = None
+        if config.voice:
+            self.from_talker = self.context.socket(zmq.PULL)
+            self.from_talker.bind(self.addresses["speech"])
         self._last_read = 0.0
         # Why a worker the watchdog killed is gone (its exit code alone would say "crashed").
         self._lost_reasons: dict[str, str] = {}
@@ -105,6 +125,7 @@ class EngineClient:
         self._background: list[asyncio.Task] = []
         self._exit_watchers: dict[str, asyncio.Task] = {}
         self._closing = False
+        self._clip_ids = itertools.count()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -113,9 +134,11 @@ class EngineClient:
         self._background = [self._reader,
                             asyncio.create_task(self._send_aborts(), name="abort-sender"),
                             asyncio.create_task(self._watch_liveness(), name="worker-watchdog")]
+        if self.from_talker is not None:
+            self._background.append(asyncio.create_task(self._read_speech(), name="speech-reader"))
         for task in self._background:
             task.add_done_callback(self._background_task_ended)
-        await asyncio.gather(self._spawn("encoder"), self._spawn("decoder"))
+        await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
         if not self._failed:
             self.status = "ready"
 
@@ -127,6 +150,8 @@ class EngineClient:
         if worker == "decoder":
             args = ["-m", "workers.decoder_process", "--config", config,
                     "--encoder-asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
+        elif worker == "talker":
+            args = ["-m", "workers.talker_process", "--config", config, "--speech", self.addresses["speech"]]
         else:
             args = ["-m", "workers.encoder_process", "--config", config,
                     "--asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
@@ -149,6 +174,8 @@ class EngineClient:
         self._running.add(worker)
         self._exit_watchers[worker] = asyncio.create_task(self._watch_exit(worker, process), name=f"watch-{worker}")
         logger.info("%s ready (pid %d)", worker, process.pid)
+        if worker == "talker":
+            self.voice_status = "ready"
 
     async def _watch_exit(self, worker: str, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
@@ -160,6 +187,9 @@ class EngineClient:
             return
         budget = self.budgets[worker]
         if not budget.try_spend():
+            if worker == "talker":  # voice ends; text serving goes on
+                self.voice_status = f"{reason}; restarted {budget.max_restarts} times within {budget.window_s:g} s"
+                return
             self._fail(f"{reason}; it was restarted {budget.max_restarts} times within {budget.window_s:g} s")
             return
         self.restarts[worker] += 1
@@ -169,7 +199,7 @@ class EngineClient:
         except Exception as exc:
             self._fail(f"the {worker} process could not be restarted: {exc}")
             return
-        if not self._failed and self._running == set(WORKERS):
+        if not self._failed and self._running == set(self.workers):
             self.status = "ready"
 
     def _worker_lost(self, worker: str, reason: str) -> None:
@@ -179,6 +209,12 @@ class EngineClient:
             return
         self._running.discard(worker)
         logger.error("%s", reason)
+        if worker == "talker":
+            # Text goes on; only the answers being spoken end, with the reason.
+            self.voice_status = reason
+            self._fail_speech(reason)
+            self.to_workers[worker].close(linger=0)
+            return
         if not self._failed:
             self.status = reason
         if worker == "decoder":
@@ -190,6 +226,7 @@ class EngineClient:
             self._fail_in_flight(reason, only=set(self._with_items))
             self._with_items.clear()
             self.encoder_cache_mirror.clear()
+            self._fail_transcripts(reason)
         self.to_workers[worker].close(linger=0)
 
     def _fail(self, reason: str) -> None:
@@ -200,6 +237,8 @@ class EngineClient:
         logger.error("engine failed: %s", reason)
         self.status = f"failed: {reason}"
         self._fail_in_flight(reason)
+        self._fail_transcripts(reason)
+        self._fail_speech(reason)
         if self.on_fatal is not None:
             self.on_fatal()
 
@@ -225,8 +264,9 @@ class EngineClient:
                 await process.wait()
         for task in [*self._background, *self._exit_watchers.values()]:
             task.cancel()
-        for socket in [*self.to_workers.values(), self.from_workers]:
-            socket.close(linger=0)
+        for socket in [*self.to_workers.values(), self.from_workers, self.from_talker]:
+            if socket is not None:
+                socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -346,6 +386,86 @@ class EngineClient:
                 continue  # the decoder is gone, and with it every request it ran
             self.abort_messages_sent += 1
 
+    # ---- voice ------------------------------------------------------------------------
+
+    @property
+    def voice_ready(self) -> bool:
+        return self.config.voice and "talker" in self._running and not self._failed
+
+    async def transcribe(self, samples) -> protocol.AudioTranscript:
+        """The encoder's transcript of a clip (float32 mono samples at 16 kHz); raises
+        EngineUnavailable when voice is off or the encoder is gone or never answers."""
+        import numpy as np
+
+        if not self.config.voice:
+            raise EngineUnavailable("voice is off on this server (--no-voice)")
+        request_id = f"clip-{next(self._clip_ids)}"
+        future = asyncio.get_running_loop().create_future()
+        self._transcripts[request_id] = future
+        try:
+            header = protocol.encode(protocol.TranscribeAudio(request_id))
+            await self._send("encoder", [header, np.ascontiguousarray(samples, dtype=np.float32).data])
+            return await asyncio.wait_for(future, TRANSCRIBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no transcript within {TRANSCRIBE_TIMEOUT_S:g} s") from None
+        finally:
+            self._transcripts.pop(request_id, None)
+
+    def open_speech(self, request_id: str) -> asyncio.Queue:
+        """A queue that receives the answer's SpeechAudio messages as (header, pcm bytes),
+        the last with `final` set. Call `speak` to feed it text; `cancel_speech` to stop."""
+        if not self.voice_ready:
+            raise EngineUnavailable(f"voice unavailable: {self.voice_status}")
+        if request_id in self.speech_queues:
+            raise ValueError(f"speech {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.speech_queues[request_id] = queue
+        return queue
+
+    async def speak(self, request_id: str, text: str, *, final: bool = False, sample_rate: int = 24000,
+                    speed: float = 1.0) -> None:
+        if request_id not in self.speech_queues:
+            return  # cancelled or failed meanwhile: nothing listens any more
+        await self._send("talker", protocol.encode(protocol.SpeakText(
+            request_id=request_id, text=text, final=final, sample_rate=sample_rate, speed=speed)))
+
+    def cancel_speech(self, request_id: str) -> None:
+        """Stop speaking an answer (barge-in, a client gone); idempotent and synchronous."""
+        if self.speech_queues.pop(request_id, None) is None or "talker" not in self._running:
+            return
+        task = asyncio.ensure_future(self._send_quietly(
+            "talker", protocol.encode(protocol.CancelSpeech([request_id]))))
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
+
+    async def _read_speech(self) -> None:
+        while True:
+            frames = await self.from_talker.recv_multipart(copy=False)
+            try:
+                message = protocol.decode_speech(frames[0].bytes)
+            except msgspec.DecodeError as exc:
+                logger.error("skipped a talker message that does not decode: %s", exc)
+                continue
+            self._heard_from("talker")
+            queue = self.speech_queues.get(message.request_id)
+            if queue is None:
+                continue  # cancelled: the talker has been told
+            queue.put_nowait((message, frames[1].bytes if len(frames) > 1 else b""))
+            if message.final:
+                del self.speech_queues[message.request_id]
+
+    def _fail_speech(self, reason: str) -> None:
+        for request_id, queue in self.speech_queues.items():
+            queue.put_nowait((protocol.SpeechAudio(request_id=request_id, sample_rate=0, final=True,
+                                                   error=reason), b""))
+        self.speech_queues.clear()
+
+    def _fail_transcripts(self, reason: str) -> None:
+        for future in self._transcripts.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(f"engine unavailable: {reason}"))
+        self._transcripts.clear()
+
     # ---- worker outputs and liveness ---------------------------------------------------
 
     async def _read_outputs(self) -> None:
@@ -386,6 +506,11 @@ class EngineClient:
             if event is not None:
                 self.ready[message.worker] = message
                 event.set()
+        elif isinstance(message, protocol.AudioTranscript):
+            self._heard_from("encoder")
+            future = self._transcripts.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
         elif isinstance(message, protocol.WorkerFailed):
             self._heard_from(message.worker)
             logger.error("%s reported a failure:\n%s", message.worker, message.message)

@@ -40,9 +40,11 @@ from frontend.chat_request import sampling_params_or_invalid
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.limits import EventRate
-from frontend.realtime_events import (ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, MessageItem,
-                                      ResponseCancel, ResponseCreate, SessionSettings, SessionUpdate,
-                                      decode_client_event)
+from frontend.realtime_audio import (InputAudioBuffer, decode_client_audio, default_audio_settings,
+                                     encode_client_audio, merged_audio_settings, transcribe)
+from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
+                                      ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
+                                      SessionUpdate, decode_client_event)
 
 logger = logging.getLogger("antiphon.realtime")
 
@@ -60,8 +62,17 @@ class RealtimeSession:
         self.session = {
             "id": new_id("sess"), "object": "realtime.session", "type": "realtime", "model": state.model_name,
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
-            "temperature": 0.8, "top_p": 1.0, "seed": None,
+            "temperature": 0.8, "top_p": 1.0, "seed": None, "audio": default_audio_settings(),
         }
+        # Voice: the input audio buffer, the turn detector (server VAD, made when first needed),
+        # the turn the user is speaking now (its item id and start), and for each spoken
+        # answer the clauses heard, with their audio length in ms (for item.truncate).
+        self.audio_buffer = InputAudioBuffer(self.config.max_audio_buffer_seconds)
+        self.detector = None
+        self.detector_offset_ms = 0.0
+        self.speech_item_id: str | None = None
+        self.speech_start_ms: int | None = None
+        self.spoken: dict[str, list[tuple[str, float]]] = {}
         # The conversation, in order, by item id, and the bytes of its text and instructions.
         self.items: dict[str, dict] = {}
         self.conversation_bytes = 0
@@ -142,9 +153,9 @@ class RealtimeSession:
     async def on_session_update(self, event: SessionUpdate) -> None:
         update = _settings(event.session)
         if "audio" in update.get("output_modalities", ()):
-            raise InvalidInput("audio output is not available on this server yet", "unsupported_modality",
-                               "session.output_modalities")
-        candidate = {**self.session, **update}
+            self._require_voice("session.output_modalities")
+        _check_modalities(update, "session.output_modalities")
+        candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
         # Instructions are templated into every response, like the items: they share the budget.
         grown = _text_bytes(candidate["instructions"]) - _text_bytes(self.session["instructions"])
@@ -152,6 +163,9 @@ class RealtimeSession:
             raise InvalidInput(f"the instructions and the conversation would hold more than "
                                f"{self.config.max_conversation_bytes} bytes of text; shorten them or delete "
                                "items with conversation.item.delete", "conversation_full", "session.instructions")
+        if candidate["audio"]["input"]["turn_detection"] != self.session["audio"]["input"]["turn_detection"]:
+            self.detector = None  # made again with the new settings, from the next audio on
+            self.speech_item_id = self.speech_start_ms = None
         self.session = candidate
         self.conversation_bytes += grown
         await self.send({"type": "session.updated", "session": self.session})
@@ -161,6 +175,8 @@ class RealtimeSession:
             raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
                                "delete some with conversation.item.delete", "conversation_full", "item")
         item = _message_item(event.item, self._takes_images)
+        if any(part["type"] == "input_audio" for part in item["content"]):
+            await self._transcribe_parts(item)
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
@@ -180,6 +196,7 @@ class RealtimeSession:
         item = self.items.pop(event.item_id, None)
         if item is None:
             raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        self.spoken.pop(event.item_id, None)
         self.conversation_bytes -= _item_bytes(item)
         await self.send({"type": "conversation.item.deleted", "item_id": event.item_id})
 
@@ -193,10 +210,157 @@ class RealtimeSession:
         item = self.items.get(event.item_id)
         if item is None:
             raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        clauses = self.spoken.get(event.item_id)
         # Truncation cuts an assistant item's audio at what the user heard; text items
         # have no audio to cut.
-        raise InvalidInput("only audio content can be truncated, and this item has none", "invalid_value",
-                           "content_index")
+        if clauses is None or event.content_index != 0:
+            raise InvalidInput("only audio content can be truncated, and this item has none there",
+                               "invalid_value", "content_index")
+        total_ms = sum(ms for _, ms in clauses)
+        if event.audio_end_ms > total_ms:
+            raise InvalidInput(f"audio_end_ms {event.audio_end_ms} is past the item's audio ({total_ms:.0f} ms)",
+                               "invalid_value", "audio_end_ms")
+        heard = _heard_transcript(clauses, event.audio_end_ms)
+        part = item["content"][0]
+        self.conversation_bytes += _text_bytes(heard) - _text_bytes(part["transcript"])
+        part["transcript"] = heard
+        self.spoken[event.item_id] = [(heard, float(event.audio_end_ms))]
+        await self.send({"type": "conversation.item.truncated", "item_id": event.item_id, "content_index": 0,
+                         "audio_end_ms": event.audio_end_ms})
+
+    # ---- input audio ------------------------------------------------------------------------
+
+    def _require_voice(self, param: str) -> None:
+        if not self.state.engine_config.voice:
+            raise InvalidInput("voice is off on this server (started with --no-voice)", "unsupported_modality", param)
+
+    async def on_audio_append(self, event: AudioAppend) -> None:
+        self._require_voice("audio")
+        settings = self.session["audio"]["input"]
+        samples = decode_client_audio(event.audio, settings["format"]["type"], "audio")
+        position_ms = self.audio_buffer.stream_ms
+        resampled = self.audio_buffer.append(samples, settings["format"]["rate"])
+        detection = settings["turn_detection"]
+        if detection is None:
+            return
+        # Imported here: Silero needs torch, which a text-only frontend never loads.
+        from workers.speech.voice_activity import SpeechStarted, TurnDetector
+
+        if self.detector is None:
+            self.detector = TurnDetector(threshold=detection["threshold"],
+                                         prefix_padding_ms=detection["prefix_padding_ms"],
+                                         silence_duration_ms=detection["silence_duration_ms"])
+            self.detector_offset_ms = position_ms
+        detector = self.detector
+        # Silero runs a model: a worker thread keeps the event loop free for other sessions.
+        for vad_event in await asyncio.to_thread(detector.feed, resampled):
+            if detector is not self.detector:
+                return  # settings changed or the buffer was cleared meanwhile
+            # The detector counts from its own first sample; events name stream times.
+            if isinstance(vad_event, SpeechStarted):
+                await self._speech_started(int(self.detector_offset_ms + vad_event.audio_start_ms), detection)
+            elif self.speech_item_id is not None:
+                await self._speech_stopped(int(self.detector_offset_ms + vad_event.audio_end_ms), detection)
+
+    async def _speech_started(self, start_ms: int, detection: dict) -> None:
+        self.speech_item_id, self.speech_start_ms = new_id("item"), start_ms
+        await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": start_ms,
+                         "item_id": self.speech_item_id})
+        playing = self.conversation_response
+        if detection["interrupt_response"] and playing is not None and playing not in self.finishing:
+            # Barge-in: the answer stops at once (its KV freed, its synthesis cancelled).
+            task = self.responses[playing]
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def _speech_stopped(self, end_ms: int, detection: dict) -> None:
+        item_id, start_ms = self.speech_item_id, self.speech_start_ms
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": end_ms, "item_id": item_id})
+        await self._commit(item_id, start_ms, detection["create_response"], None)
+
+    async def on_audio_commit(self, event: AudioCommit) -> None:
+        self._require_voice("input_audio_buffer")
+        if self.audio_buffer.duration_ms < 100:
+            raise InvalidInput(f"the input audio buffer holds {self.audio_buffer.duration_ms} ms of audio; "
+                               "a commit needs at least 100 ms", "input_audio_buffer_commit_empty")
+        await self._commit(self.speech_item_id or new_id("item"), None, False, event.event_id)
+
+    async def on_audio_clear(self, event: AudioClear) -> None:
+        self._require_voice("input_audio_buffer")
+        self.audio_buffer.clear()
+        self._reset_turn()
+        await self.send({"type": "input_audio_buffer.cleared"})
+
+    def _reset_turn(self) -> None:
+        self.detector = None  # made afresh, from the next audio on
+        self.speech_item_id = self.speech_start_ms = None
+
+    async def _commit(self, item_id: str, from_ms: int | None, create_response: bool,
+                      client_event_id: str | None) -> None:
+        """The buffered turn becomes a user item; its transcript is its text."""
+        audio = self.audio_buffer.take(from_ms)
+        if from_ms is None:
+            self._reset_turn()  # a manual commit mid-speech starts the next turn afresh
+        self.speech_item_id = self.speech_start_ms = None
+        if len(self.items) >= self.config.max_conversation_items:
+            raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
+                               "delete some with conversation.item.delete", "conversation_full")
+        previous = next(reversed(self.items), None)
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
+                "content": [{"type": "input_audio", "transcript": None}]}
+        self.items[item_id] = item
+        await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        reporting = self.session["audio"]["input"]["transcription"] is not None
+        failure = None
+        try:
+            text, heard = await transcribe(self.state.client, audio)
+            if not heard:
+                failure = ("input_audio_no_speech", "no speech was heard in the committed audio")
+        except EngineUnavailable as exc:
+            failure = ("engine_unavailable", str(exc))
+        if failure is not None:
+            code, message = failure
+            if reporting:
+                await self.send({"type": "conversation.item.input_audio_transcription.failed", "item_id": item_id,
+                                 "content_index": 0, "error": {"type": "transcription_error", "code": code,
+                                                               "message": message}})
+            if self.items.pop(item_id, None) is not None:
+                await self.send({"type": "conversation.item.deleted", "item_id": item_id})
+            raise InvalidInput(message, code)
+        item["content"][0]["transcript"] = text
+        self.conversation_bytes += _text_bytes(text)
+        if reporting:
+            usage = {"type": "duration", "seconds": round(len(audio) / 16000, 3)}
+            await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
+                             "content_index": 0, "delta": text})
+            await self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+                             "content_index": 0, "transcript": text, "usage": usage})
+        if create_response and item_id in self.items:
+            await self.on_response_create(ResponseCreate(event_id=client_event_id))
+
+    async def _transcribe_parts(self, item: dict) -> None:
+        """conversation.item.create with input_audio parts: each part's transcript is its text
+        (the audio itself is not kept)."""
+        from engine.audio_formats import resample
+
+        self._require_voice("item.content")
+        audio_format = self.session["audio"]["input"]["format"]
+        for part in item["content"]:
+            if part["type"] != "input_audio":
+                continue
+            samples = decode_client_audio(part.pop("audio"), audio_format["type"], "item.content")
+            if len(samples) > self.config.max_audio_buffer_seconds * audio_format["rate"]:
+                raise InvalidInput(f"an input_audio part holds at most {self.config.max_audio_buffer_seconds:g} s",
+                                   "audio_too_long", "item.content")
+            try:
+                text, heard = await transcribe(self.state.client, resample(samples, audio_format["rate"], 16000))
+            except EngineUnavailable as exc:
+                raise InvalidInput(str(exc), "engine_unavailable", "item.content") from None
+            if not heard:
+                raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
+                                   "item.content")
+            part["transcript"] = text
 
     async def on_response_create(self, event: ResponseCreate) -> None:
         options = event.response
@@ -208,9 +372,13 @@ class RealtimeSession:
             raise InvalidInput(f"at most {self.config.max_concurrent_per_connection} responses at once "
                                "on one connection", "too_many_responses")
         overrides = _settings(options)
-        if "audio" in overrides.get("output_modalities", ()):
-            raise InvalidInput("audio output is not available on this server yet", "unsupported_modality",
-                               "response.output_modalities")
+        _check_modalities(overrides, "response.output_modalities")
+        speaking = "audio" in overrides.get("output_modalities", self.session["output_modalities"])
+        if speaking:
+            self._require_voice("response.output_modalities")
+            if not self.state.client.voice_ready:
+                raise InvalidInput(f"voice is unavailable: {self.state.client.voice_status}", "voice_unavailable")
+        audio_out = merged_audio_settings(self.session["audio"], options)["output"] if speaking else None
         if out_of_band and options.input is not msgspec.UNSET:
             items = [_message_item(i, self._takes_images) for i in options.input]
         else:
@@ -230,7 +398,7 @@ class RealtimeSession:
             lease.release()
             raise
         response_id = lease.request_id
-        task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id))
+        task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id, audio_out))
         # Bookkeeping that must happen however the task ends, even if it is cancelled
         # before it starts (a response.cancel right behind the response.create).
         lease.bind(task)
@@ -269,27 +437,47 @@ class RealtimeSession:
         ItemTruncate: on_item_truncate,
         ResponseCreate: on_response_create,
         ResponseCancel: on_response_cancel,
+        AudioAppend: on_audio_append,
+        AudioCommit: on_audio_commit,
+        AudioClear: on_audio_clear,
     }
 
     # ---- one response ---------------------------------------------------------------------
 
     async def _respond(self, lease: RequestLease, prompt: list[int], params: SamplingParams,
-                       in_conversation: bool, client_event_id: str | None) -> None:
+                       in_conversation: bool, client_event_id: str | None, audio_out: dict | None = None) -> None:
         response_id = lease.request_id
+        # A spoken answer: its text goes to the talker as it comes and out as the audio's
+        # transcript; its audio is pumped to the client by a task of its own.
+        speaking = audio_out is not None
+        client = self.state.client
         item = {"id": new_id("item"), "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress",
-                    "status_details": None, "output": [], "output_modalities": ["text"], "usage": None,
+                    "status_details": None, "output": [], "output_modalities": ["audio" if speaking else "text"],
+                    "usage": None,
                     "conversation_id": self.session["id"] if in_conversation else None}
         where = {"response_id": response_id, "item_id": item["id"], "output_index": 0, "content_index": 0}
         opening = [{"type": "response.created", "response": response},
                    {"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
                     "item": item},
-                   {"type": "response.content_part.added", **where, "part": {"type": "output_text", "text": ""}}]
+                   {"type": "response.content_part.added", **where,
+                    "part": {"type": "output_audio", "transcript": ""} if speaking else {"type": "output_text",
+                                                                                         "text": ""}}]
         # How many opening events went out: a cancel may land between any two of them (an
         # event whose send is cancelled was not written), and the closing events match them.
         opened = 0
         text, last, error = "", None, None
+        clauses: list[tuple[str, float]] = []
+        pump = None
+        if speaking:
+            rate, speed = audio_out["format"]["rate"], audio_out["speed"]
+            try:
+                speech = client.open_speech(response_id)
+            except EngineUnavailable as exc:
+                speech, error = None, ("server_error", "voice_unavailable", str(exc))
+            if speech is not None:
+                pump = asyncio.create_task(self._pump_audio(speech, where, audio_out["format"]["type"], clauses))
         stream = self.state.generation.stream(lease, prompt, params, self.cache_salt)
         # Submit the engine request first and announce the response while the prefill runs:
         # the opening events are not on the way to the first token. Sending them does not
@@ -301,13 +489,27 @@ class RealtimeSession:
             for event in opening:
                 await self.send(event)
                 opened += 1
+            if speaking and pump is None:
+                raise _VoiceFailed(error[2])
             chunk = await first
             while chunk is not None:
                 last = chunk
                 if chunk.text:
                     text += chunk.text
-                    await self.send({"type": "response.output_text.delta", **where, "delta": chunk.text})
+                    if speaking:
+                        if pump.done():  # the talker failed: the answer cannot be spoken
+                            raise _VoiceFailed(pump.result() or "speech ended early")
+                        await self.send({"type": "response.output_audio_transcript.delta", **where,
+                                         "delta": chunk.text})
+                        await client.speak(response_id, chunk.text, sample_rate=rate, speed=speed)
+                    else:
+                        await self.send({"type": "response.output_text.delta", **where, "delta": chunk.text})
                 chunk = await anext(stream, None)
+            if speaking:
+                await client.speak(response_id, "", final=True, sample_rate=rate, speed=speed)
+                failure = await pump  # every clause sent: the answer is complete when its audio is
+                if failure is not None:
+                    raise _VoiceFailed(failure)
             response["status"] = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "failed")
             if last.finish_reason == "length":
                 response["status_details"] = {"type": "incomplete", "reason": "max_output_tokens"}
@@ -315,6 +517,8 @@ class RealtimeSession:
                 error = ("server_error", "engine_error", last.error or "generation failed")
         except EngineUnavailable as exc:
             error = ("server_error", "engine_unavailable", str(exc))
+        except _VoiceFailed as exc:
+            error = ("server_error", "voice_unavailable", str(exc))
         except asyncio.CancelledError:
             response["status"] = "cancelled"
             response["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
@@ -336,6 +540,11 @@ class RealtimeSession:
                 await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()  # a no-op if the stream already ended
             lease.release()
+            if speaking:
+                client.cancel_speech(response_id)  # a no-op once its audio is complete
+                if pump is not None and not pump.done():
+                    pump.cancel()
+                    await asyncio.gather(pump, return_exceptions=True)
             if error is not None:
                 kind, code, message = error
                 response["status"] = "failed"
@@ -344,8 +553,11 @@ class RealtimeSession:
                 await self.send_error("the response failed on the server" if code == "server_error" else message,
                                       code, None, client_event_id)
             item["status"] = "completed" if response["status"] == "completed" else "incomplete"
-            item["content"] = [{"type": "output_text", "text": text}]
+            item["content"] = [{"type": "output_audio", "transcript": text} if speaking
+                               else {"type": "output_text", "text": text}]
             evicted = self._add_answer(item) if in_conversation and text else []
+            if speaking and item["id"] in self.items:
+                self.spoken[item["id"]] = clauses
             if last is not None:
                 response["usage"] = {
                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
@@ -359,7 +571,11 @@ class RealtimeSession:
                 # response.create): the client still learns its id before it ends.
                 await self.send({"type": "response.created", "response": {**response, "status": "in_progress",
                                                                            "status_details": None}})
-            if opened == 3:
+            if opened == 3 and speaking:
+                await self.send({"type": "response.output_audio.done", **where})
+                await self.send({"type": "response.output_audio_transcript.done", **where, "transcript": text})
+                await self.send({"type": "response.content_part.done", **where, "part": item["content"][0]})
+            elif opened == 3:
                 await self.send({"type": "response.output_text.done", **where, "text": text})
                 await self.send({"type": "response.content_part.done", **where,
                                  "part": {"type": "output_text", "text": text}})
@@ -374,6 +590,21 @@ class RealtimeSession:
             # itself) before this response.done has gone out.
             self._forget_response(response_id)
 
+    async def _pump_audio(self, speech: asyncio.Queue, where: dict, format_type: str,
+                          clauses: list[tuple[str, float]]) -> str | None:
+        """Sends the answer's audio as the talker makes it; returns None when it is complete,
+        else why it ended (the talker died). `clauses` gets (text, ms) of each piece sent."""
+        while True:
+            header, pcm = await speech.get()
+            if header.error is not None:
+                return header.error
+            if pcm:
+                await self.send({"type": "response.output_audio.delta", **where,
+                                 "delta": encode_client_audio(pcm, format_type)})
+                clauses.append((header.text, 1000 * len(pcm) / 2 / header.sample_rate))
+            if header.final:
+                return None
+
     def _add_answer(self, item: dict) -> list[str]:
         """Append an answer to the conversation; the ids of the oldest items evicted to make room.
 
@@ -386,6 +617,7 @@ class RealtimeSession:
                               or self.conversation_bytes + size > self.config.max_conversation_bytes):
             oldest = next(iter(self.items))
             self.conversation_bytes -= _item_bytes(self.items.pop(oldest))
+            self.spoken.pop(oldest, None)
             evicted.append(oldest)
         self.items[item["id"]] = item
         self.conversation_bytes += size
@@ -408,6 +640,10 @@ class RealtimeSession:
         await self.send({"type": "error", "error": {
             "type": "invalid_request_error" if code not in ("engine_error", "engine_unavailable") else "server_error",
             "code": code, "message": message, "param": param, "event_id": client_event_id}})
+
+
+class _VoiceFailed(Exception):
+    """A spoken answer's audio could not be made (the talker is down or died mid-answer)."""
 
 
 def _settings(settings: SessionSettings) -> dict:
@@ -453,10 +689,42 @@ def _previous_id(items: dict[str, dict], item_id: str) -> str | None:
 
 
 def _item_content(item: dict) -> str | list[dict]:
-    """Text for the chat template, or the parts when the item holds images."""
+    """Text for the chat template, or the parts when the item holds images. Audio counts as
+    its transcript: the language model hears what the recognizer heard."""
     if any(part["type"] == "input_image" for part in item["content"]):
-        return item["content"]
-    return "".join(part["text"] for part in item["content"])
+        return [part if part["type"] == "input_image" else {"type": "input_text", "text": _part_text(part)}
+                for part in item["content"]]
+    return "".join(_part_text(part) for part in item["content"])
+
+
+def _part_text(part: dict) -> str:
+    return part.get("text") or part.get("transcript") or ""
+
+
+def _check_modalities(settings: dict, param: str) -> None:
+    """GA sessions answer in text or in audio (with its transcript), not both at once."""
+    modalities = settings.get("output_modalities")
+    if modalities is not None and (len(modalities) != 1):
+        raise InvalidInput('output_modalities is ["text"] or ["audio"] (audio comes with its transcript)',
+                           "invalid_value", param)
+
+
+def _heard_transcript(clauses: list[tuple[str, float]], end_ms: float) -> str:
+    """The words of a spoken answer heard before `end_ms`: whole clauses, then the share of
+    the interrupted clause's words that its audio had reached."""
+    words, elapsed = [], 0.0
+    for text, ms in clauses:
+        if elapsed + ms <= end_ms:
+            words.append(text)
+        else:
+            clause_words = text.split()
+            share = max(0.0, end_ms - elapsed) / ms if ms else 0.0
+            words.append(" ".join(clause_words[:int(len(clause_words) * share)]))
+            break
+        elapsed += ms
+    return " ".join(w for w in words if w)
+
+
 
 
 def _text_bytes(text: str) -> int:
@@ -464,7 +732,8 @@ def _text_bytes(text: str) -> int:
 
 
 def _item_bytes(item: dict) -> int:
-    return sum(_text_bytes(part["text"]) if "text" in part else len(part["image_url"]) for part in item["content"])
+    return sum(len(part["image_url"]) if part["type"] == "input_image" else _text_bytes(_part_text(part))
+               for part in item["content"])
 
 
 def _sampling(session: dict, overrides: dict, default_max_tokens: int, where: str = "session") -> SamplingParams:

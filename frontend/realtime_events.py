@@ -19,11 +19,14 @@ MaxOutputTokens = Count | Literal["inf"]
 
 
 class MessagePart(msgspec.Struct):
-    """Text, or (in a user message) an image as a data URL; the media limits apply later."""
+    """Text, or (in a user message) an image as a data URL (the media limits apply later) or
+    audio (base64 in the session's input format; its transcript becomes the text)."""
 
     type: str
     text: str | None = None
     image_url: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
 
 
 class MessageItem(msgspec.Struct, kw_only=True):
@@ -40,6 +43,11 @@ class MessageItem(msgspec.Struct, kw_only=True):
                 if part.text is None:
                     raise InvalidInput("a text content part needs a string 'text'", "invalid_value", "item.content")
                 parts.append({"type": part.type, "text": part.text})
+            elif part.type == "input_audio" and self.role == "user":
+                if part.audio is None:
+                    raise InvalidInput("an input_audio part needs 'audio' (base64 in the session's input format)",
+                                       "invalid_value", "item.content")
+                parts.append({"type": "input_audio", "audio": part.audio, "transcript": None})
             elif part.type == "input_image" and self.role == "user":
                 if part.image_url is None:
                     raise InvalidInput("an input_image part needs 'image_url' (a data URL)", "invalid_value",
@@ -50,6 +58,48 @@ class MessageItem(msgspec.Struct, kw_only=True):
                                    + (" or input_image" if self.role == "user" else ""),
                                    "unsupported_content_type", "item.content")
         return parts
+
+
+AudioFormatType = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
+# Beta names of the formats.
+BETA_AUDIO_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+
+
+class AudioFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: AudioFormatType
+    rate: Literal[24000, 8000] | UnsetType = UNSET
+
+
+class TurnDetection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["server_vad"]
+    threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | UnsetType = UNSET
+    prefix_padding_ms: Annotated[int, msgspec.Meta(ge=0, le=5000)] | UnsetType = UNSET
+    silence_duration_ms: Annotated[int, msgspec.Meta(ge=100, le=10000)] | UnsetType = UNSET
+    create_response: bool | UnsetType = UNSET
+    interrupt_response: bool | UnsetType = UNSET
+
+
+class Transcription(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | UnsetType = UNSET
+    language: Literal["en"] | UnsetType = UNSET
+
+
+class AudioInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: AudioFormat | UnsetType = UNSET
+    turn_detection: TurnDetection | None | UnsetType = UNSET
+    transcription: Transcription | None | UnsetType = UNSET
+    noise_reduction: None | UnsetType = UNSET
+
+
+class AudioOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: AudioFormat | UnsetType = UNSET
+    voice: Annotated[str, msgspec.Meta(max_length=64)] | UnsetType = UNSET
+    speed: Annotated[float, msgspec.Meta(ge=0.25, le=1.5)] | UnsetType = UNSET
+
+
+class SessionAudio(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    input: AudioInput | UnsetType = UNSET
+    output: AudioOutput | UnsetType = UNSET
 
 
 class SessionSettings(msgspec.Struct, kw_only=True):
@@ -63,6 +113,13 @@ class SessionSettings(msgspec.Struct, kw_only=True):
     temperature: Number | UnsetType = UNSET
     top_p: Number | UnsetType = UNSET
     seed: Seed | None | UnsetType = UNSET
+    audio: SessionAudio | UnsetType = UNSET
+    # Beta names of the audio settings.
+    input_audio_format: Literal["pcm16", "g711_ulaw", "g711_alaw"] | UnsetType = UNSET
+    output_audio_format: Literal["pcm16", "g711_ulaw", "g711_alaw"] | UnsetType = UNSET
+    turn_detection: TurnDetection | None | UnsetType = UNSET
+    input_audio_transcription: Transcription | None | UnsetType = UNSET
+    voice: Annotated[str, msgspec.Meta(max_length=64)] | UnsetType = UNSET
 
 
 class ResponseOptions(SessionSettings, kw_only=True):
@@ -108,7 +165,21 @@ class ResponseCancel(msgspec.Struct, tag="response.cancel", tag_field="type", kw
     event_id: str | None = None
 
 
-ClientEvent = SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+class AudioAppend(msgspec.Struct, tag="input_audio_buffer.append", tag_field="type", kw_only=True):
+    audio: str  # base64, in the session's input format
+    event_id: str | None = None
+
+
+class AudioCommit(msgspec.Struct, tag="input_audio_buffer.commit", tag_field="type", kw_only=True):
+    event_id: str | None = None
+
+
+class AudioClear(msgspec.Struct, tag="input_audio_buffer.clear", tag_field="type", kw_only=True):
+    event_id: str | None = None
+
+
+ClientEvent = (SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ItemTruncate | ResponseCreate | ResponseCancel
+               | AudioAppend | AudioCommit | AudioClear)
 EVENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientEvent.__args__)
 
 

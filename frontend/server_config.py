@@ -65,6 +65,12 @@ class ServerConfig:
     worker_restart_window_s: float = 600.0
     # A worker that sends nothing (not even a heartbeat) for this long is killed and restarted.
     worker_timeout_s: float = 30.0
+    # Voice: an uploaded audio file's bytes and length, and the text one speech request may speak.
+    max_audio_bytes: int = 25 << 20
+    max_audio_seconds: float = 600.0
+    max_speech_input_chars: int = 4096
+    # A Realtime session's input audio buffer (and one input_audio part), in seconds.
+    max_audio_buffer_seconds: float = 120.0
 
     def media_limits(self):
         """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
@@ -77,7 +83,8 @@ class ServerConfig:
                            max_images_per_request=self.max_images_per_request, allowed_local_media_path=folder)
 
     def __post_init__(self) -> None:
-        for name in ("worker_restart_window_s", "worker_timeout_s"):
+        for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",
+                     "max_speech_input_chars", "max_audio_buffer_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",

@@ -28,3 +28,16 @@ def tiny_multi_eos(tmp_path_factory):
     """A tiny Llama whose generation_config.json ends on <|im_end|> and <|endoftext|> while its
     tokenizer's EOS is <|endoftext|>; tests.tiny_models.MULTI_EOS_CONVERSATION ends on <|im_end|>."""
     return save_multi_eos_checkpoint(tmp_path_factory.mktemp("tiny-multi-eos") / "llama")
+
+
+@pytest.fixture(scope="session")
+def voice_server(tmp_path_factory):
+    """`antiphon serve` with the default model and voice on (Whisper, Piper, Silero), shared by
+    the voice tests: three models and three processes take a while to start."""
+    from tests.server_harness import ServerProcess
+
+    server = ServerProcess(None, "--max-audio-seconds", "60", "--max-speech-input-chars", "500",
+                           "--max-audio-buffer-seconds", "20", "--max-worker-restarts", "5",
+                           log_dir=tmp_path_factory.mktemp("voice-logs"), voice=True)
+    yield server
+    server.stop()

@@ -23,12 +23,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path | None, *args: str, log_dir: Path, timeout: float = 300.0) -> None:
+    def __init__(self, model: Path | None, *args: str, log_dir: Path, timeout: float = 300.0,
+                 voice: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/realtime"
         self.log_path = log_dir / f"server-{self.port}.log"
-        command = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port), *args]
+        # Voice loads two more models (and a third process): only the voice tests want it.
+        command = [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port), *args,
+                   *([] if voice else ["--no-voice"])]
         if model is not None:
             command += ["--model", str(model)]
         self.log = open(self.log_path, "w")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.spoken import spoken
+from tests.spoken import spoken, words
 from workers.speech import recognizer as recognizer_module
 from workers.speech.recognizer import NO_SPEECH_THRESHOLD, SpeechRecognizer
 
@@ -13,10 +13,6 @@ from workers.speech.recognizer import NO_SPEECH_THRESHOLD, SpeechRecognizer
 @pytest.fixture(scope="module")
 def recognizer() -> SpeechRecognizer:
     return SpeechRecognizer()
-
-
-def words(text: str) -> list[str]:
-    return "".join(c for c in text.lower() if c.isalnum() or c.isspace()).split()
 
 
 @pytest.mark.parametrize("question", ["What is the capital of France?",

@@ -9,6 +9,9 @@ The frontend keeps a mirror of the cache's contents (from CacheChanges) and send
 item's header without its pixels; if the item left the cache before it was asked for, the
 encoder asks the frontend for the pixels (ItemsMissing).
 Text-only models have no tower: the process then only answers heartbeats.
+With voice on it also holds the speech recognizer (Whisper): speech is audio understanding.
+The frontend sends a clip (TranscribeAudio + its samples); the transcript goes back on the
+output socket. Clips are recognized after the step's embedding asks are served, one at a time.
 
 Run by the frontend as `python -m workers.encoder_process --config JSON --input ADDR
 --asks ADDR --embeddings ADDR --output ADDR`.
@@ -60,6 +63,8 @@ class EncoderWorker:
         # Items whose pixels the frontend has been asked for, not yet received.
         self.pixels_wanted: set[str] = set()
         self._last_beat = 0.0
+        self.recognizer = None
+        self.clips: list[tuple[str, object]] = []  # (request id, samples) to transcribe
 
     def load(self) -> None:
         from transformers import AutoConfig
@@ -72,6 +77,8 @@ class EncoderWorker:
         path = resolve_model_path(self.config.model)
         model_config = AutoConfig.from_pretrained(path)
         adapter = adapter_for(path, model_config)
+        if self.config.voice:
+            self._load_recognizer()
         if adapter is not None:
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, model_config, device)
@@ -84,6 +91,16 @@ class EncoderWorker:
                         budget * adapter.embedding_size() * dtype.itemsize / (1 << 30),
                         budget // adapter.max_embeddings_per_item(), list(WARM_UP_BATCH_SIZES), seconds)
         self.outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
+
+    def _load_recognizer(self) -> None:
+        import numpy as np
+
+        from workers.speech.recognizer import SpeechRecognizer
+
+        started = time.perf_counter()
+        self.recognizer = SpeechRecognizer(self.config.asr_model)
+        self.recognizer.transcribe(np.zeros(16000, dtype=np.float32))  # first-call initialisation
+        logger.info("speech recognizer loaded and warmed up in %.2f s", time.perf_counter() - started)
 
     def run(self) -> None:
         while True:
@@ -98,6 +115,7 @@ class EncoderWorker:
                     asked += self._decode_ask(self.asks.recv())
                 ready = dict(self.poller.poll(0))
             self._serve(asked)
+            self._transcribe()
             # Beat on a clock, not only when idle: a steady stream of inputs must not keep
             # the frontend from hearing that this loop is alive.
             if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
@@ -111,6 +129,9 @@ class EncoderWorker:
             return True
         if isinstance(message, protocol.Shutdown):
             return False
+        if isinstance(message, protocol.TranscribeAudio):
+            self._take_clip(message.request_id, frames[1:])
+            return True
         if self.encoder is None:
             return True
         if isinstance(message, protocol.RegisterItems):
@@ -178,6 +199,34 @@ class EncoderWorker:
             if added or evicted:
                 self.outputs.send(protocol.encode(protocol.CacheChanges(added, evicted)))
             self._send_stats()  # /metrics follows each batch, not only the heartbeat
+
+    def _take_clip(self, request_id: str, frames) -> None:
+        import numpy as np
+
+        if self.recognizer is None:
+            self._send_transcript(protocol.AudioTranscript(request_id=request_id, error="voice is off on this server"))
+        elif len(frames) != 1 or len(frames[0].buffer) % 4:
+            self._send_transcript(protocol.AudioTranscript(request_id=request_id, error="malformed audio frame"))
+        else:
+            self.clips.append((request_id, np.frombuffer(frames[0].buffer, dtype=np.float32)))
+
+    def _transcribe(self) -> None:
+        clips, self.clips = self.clips, []
+        for request_id, samples in clips:
+            started = time.perf_counter()
+            try:
+                transcript = self.recognizer.transcribe(samples)
+            except ValueError as exc:
+                self._send_transcript(protocol.AudioTranscript(request_id=request_id, error=str(exc)))
+                continue
+            self._send_transcript(protocol.AudioTranscript(
+                request_id=request_id, text=transcript.text, no_speech_probability=transcript.no_speech_probability,
+                audio_seconds=transcript.audio_seconds, seconds=time.perf_counter() - started))
+            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
+                self._beat()
+
+    def _send_transcript(self, message: protocol.AudioTranscript) -> None:
+        self.outputs.send(protocol.encode(message))
 
     def _send(self, message: protocol.ItemEmbeddings) -> None:
         self.embeddings.send(protocol.encode(message))

@@ -151,7 +151,8 @@ def _whisper_config(arrays: dict[str, np.ndarray], suppress_tokens: list[int]):
     return WhisperConfig(
         vocab_size=int(vocab_size), num_mel_bins=int(arrays["encoder/conv1/weight"].shape[1]), d_model=int(d_model),
         encoder_layers=count("encoder"), decoder_layers=count("decoder"),
-        encoder_attention_heads=int(arrays["encoder/num_heads"]), decoder_attention_heads=int(arrays["decoder/num_heads"]),
+        encoder_attention_heads=int(arrays["encoder/num_heads"]),
+        decoder_attention_heads=int(arrays["decoder/num_heads"]),
         encoder_ffn_dim=int(arrays["encoder/layer_0/ffn/linear_0/weight"].shape[0]),
         decoder_ffn_dim=int(arrays["decoder/layer_0/ffn/linear_0/weight"].shape[0]),
         max_source_positions=int(arrays["encoder/position_encodings/encodings"].shape[0]),

@@ -1,0 +1,288 @@
+"""OpenAI's audio endpoints: POST /v1/audio/transcriptions and POST /v1/audio/speech.
+
+Transcriptions take a multipart upload (a WAV file; this server decodes no compressed
+formats) and answer `json`, `text` or `verbose_json`, or stream `transcript.text.delta` /
+`.done` events with `stream=true`. The encoder process recognizes the audio, in windows of
+at most 30 s cut at pauses. Speech streams the talker's audio as it is made: raw 16-bit PCM
+at 24 kHz (`pcm`), a WAV whose header announces an open length (`wav`), or
+`speech.audio.delta` events (`stream_format=sse`). Every field OpenAI defines is either
+honoured or refused with a 400 naming it; so is any other field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import logging
+
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from engine.audio_formats import read_wav, resample, wav_header
+from engine.audio_windows import recognition_windows
+from frontend.engine_client import EngineUnavailable
+from frontend.openai_http import BodyTooLarge, error_response, read_body
+
+logger = logging.getLogger("antiphon.frontend")
+
+RECOGNIZER_RATE = 16000
+RECOGNIZER_WINDOW_S = 30.0
+SPEECH_RATE = 24000
+# Whisper's own threshold: above it a window is taken as silence (it would still "hear" a word).
+NO_SPEECH_THRESHOLD = 0.6
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
+SPEECH_FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
+TRANSCRIPTION_FIELDS = {"file", "model", "response_format", "language", "temperature", "stream", "prompt"}
+SPEECH_FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format", "instructions"}
+
+
+class AudioRequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+class AudioEndpoints:
+    def __init__(self, app_state) -> None:
+        self.state = app_state
+        self._ids = itertools.count()
+
+    # ---- transcriptions ----------------------------------------------------------------
+
+    async def transcriptions(self, request: Request) -> Response:
+        config = self.state.config
+        try:
+            form = await self._form(request, config.max_audio_bytes + (64 << 10))
+            options = self._transcription_options(form)
+            samples = await asyncio.to_thread(self._decode_upload, form, config.max_audio_seconds)
+        except AudioRequestError as exc:
+            return error_response(exc.status, str(exc), exc.code, exc.param)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        windows = recognition_windows(samples, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S)
+        duration = len(samples) / RECOGNIZER_RATE
+        if options["stream"]:
+            return StreamingResponse(self._stream_transcript(samples, windows, duration),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            segments = [segment async for segment in self._recognize(samples, windows)]
+        except EngineUnavailable as exc:
+            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        text = " ".join(s["text"] for s in segments if s["text"]).strip()
+        if options["response_format"] == "text":
+            return PlainTextResponse(text + "\n")
+        usage = {"type": "duration", "seconds": round(duration, 3)}
+        if options["response_format"] == "json":
+            return JSONResponse({"text": text, "usage": usage})
+        return JSONResponse({"task": "transcribe", "language": "english", "duration": round(duration, 3),
+                             "text": text, "segments": segments, "usage": usage})
+
+    async def _form(self, request: Request, limit: int):
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise AudioRequestError("send the audio as multipart/form-data with a `file` part", code="invalid_request")
+        try:
+            async with asyncio.timeout(self.state.config.body_timeout_s):
+                body = await read_body(request, limit)
+        except BodyTooLarge:
+            raise AudioRequestError(f"request body over {limit} bytes (--max-audio-bytes)", code="request_too_large",
+                                    status=413) from None
+        except TimeoutError:
+            raise AudioRequestError(f"the body did not arrive within {self.state.config.body_timeout_s:g} s",
+                                    code="request_timeout", status=408) from None
+
+        async def replay():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            return await Request(request.scope, replay).form(max_files=1, max_fields=16)
+        except Exception as exc:  # the multipart parser's own errors: a malformed upload
+            raise AudioRequestError(f"malformed multipart body: {exc}", code="invalid_request") from None
+
+    @staticmethod
+    def _transcription_options(form) -> dict:
+        unknown = sorted(set(form.keys()) - TRANSCRIPTION_FIELDS)
+        if unknown:
+            raise AudioRequestError(f"unsupported parameter {unknown[0]!r}", unknown[0], "unsupported_parameter")
+        response_format = form.get("response_format", "json")
+        if response_format not in TRANSCRIPTION_FORMATS:
+            raise AudioRequestError(f"response_format must be one of {', '.join(TRANSCRIPTION_FORMATS)} "
+                                    "(this server writes no subtitles)", "response_format")
+        language = form.get("language")
+        if language not in (None, "", "en"):
+            raise AudioRequestError("the speech recognizer knows English only: language must be 'en'", "language")
+        if form.get("prompt"):
+            raise AudioRequestError("prompting the recognizer is not supported: leave prompt empty", "prompt",
+                                    "unsupported_parameter")
+        try:
+            temperature = float(form.get("temperature", 0) or 0)
+        except ValueError:
+            raise AudioRequestError("temperature must be a number", "temperature") from None
+        if temperature != 0:
+            raise AudioRequestError("the recognizer decodes greedily: temperature must be 0", "temperature",
+                                    "unsupported_parameter")
+        stream = str(form.get("stream", "false")).lower()
+        if stream not in ("true", "false"):
+            raise AudioRequestError("stream must be true or false", "stream")
+        if stream == "true" and response_format != "json":
+            raise AudioRequestError("streamed transcripts are events: response_format must be json", "response_format")
+        return {"response_format": response_format, "stream": stream == "true"}
+
+    @staticmethod
+    def _decode_upload(form, max_seconds: float) -> np.ndarray:
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise AudioRequestError("the audio goes in a file part named `file`", "file")
+        data = upload.file.read()
+        try:
+            samples, rate = read_wav(data)
+        except ValueError as exc:
+            raise AudioRequestError(f"file: {exc} (this server reads WAV: 8, 16 or 32-bit PCM)", "file",
+                                    "invalid_audio") from None
+        if len(samples) > max_seconds * rate:
+            raise AudioRequestError(f"audio of {len(samples) / rate:.1f} s is over the limit of {max_seconds:g} s "
+                                    "(--max-audio-seconds)", "file", "audio_too_long")
+        return resample(samples, rate, RECOGNIZER_RATE)
+
+    async def _recognize(self, samples: np.ndarray, windows):
+        client = self.state.client
+        for index, (start, end) in enumerate(windows):
+            transcript = await client.transcribe(samples[start:end])
+            if transcript.error is not None:
+                raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
+            silent = transcript.no_speech_probability > NO_SPEECH_THRESHOLD
+            yield {"id": index, "start": round(start / RECOGNIZER_RATE, 3), "end": round(end / RECOGNIZER_RATE, 3),
+                   "text": "" if silent else transcript.text,
+                   "no_speech_prob": round(transcript.no_speech_probability, 4)}
+
+    async def _stream_transcript(self, samples, windows, duration: float):
+        texts = []
+        try:
+            async for segment in self._recognize(samples, windows):
+                if segment["text"]:
+                    delta = (" " if texts else "") + segment["text"]
+                    texts.append(segment["text"])
+                    yield _event({"type": "transcript.text.delta", "delta": delta})
+        except EngineUnavailable as exc:
+            yield _event({"type": "error", "error": {"message": str(exc), "code": "engine_unavailable"}})
+            return
+        yield _event({"type": "transcript.text.done", "text": " ".join(texts),
+                      "usage": {"type": "duration", "seconds": round(duration, 3)}})
+
+    # ---- speech ------------------------------------------------------------------------
+
+    async def speech(self, request: Request) -> Response:
+        config = self.state.config
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                body = await read_body(request, config.max_message_bytes)
+        except BodyTooLarge:
+            return error_response(413, f"request body over {config.max_message_bytes} bytes", "request_too_large")
+        except TimeoutError:
+            return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s",
+                                  "request_timeout")
+        except ClientDisconnect:
+            return Response(status_code=400)
+        try:
+            options = self._speech_options(body, config.max_speech_input_chars)
+        except AudioRequestError as exc:
+            return error_response(exc.status, str(exc), exc.code, exc.param)
+        client = self.state.client
+        request_id = f"speech-{next(self._ids)}"
+        try:
+            queue = client.open_speech(request_id)
+            await client.speak(request_id, options["input"], final=True, sample_rate=SPEECH_RATE,
+                               speed=options["speed"])
+            # Wait for the first piece before answering: a failure then is still a clean 503.
+            first = await queue.get()
+        except EngineUnavailable as exc:
+            client.cancel_speech(request_id)
+            return error_response(503, str(exc), "voice_unavailable", error_type="server_error")
+        except BaseException:
+            client.cancel_speech(request_id)
+            raise
+        if first[0].error is not None:
+            return error_response(503, first[0].error, "voice_unavailable", error_type="server_error")
+        pieces = self._pieces(request_id, queue, first)
+        if options["stream_format"] == "sse":
+            return StreamingResponse(self._speech_events(pieces), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        body_iter = self._wav_stream(pieces) if options["response_format"] == "wav" else self._pcm_stream(pieces)
+        return StreamingResponse(body_iter, media_type=SPEECH_FORMATS[options["response_format"]],
+                                 headers={"X-Sample-Rate": str(SPEECH_RATE)})
+
+    @staticmethod
+    def _speech_options(body: bytes, max_chars: int) -> dict:
+        try:
+            fields = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise AudioRequestError("the body is not JSON", code="invalid_json") from None
+        if not isinstance(fields, dict):
+            raise AudioRequestError("the body must be a JSON object", code="invalid_json")
+        unknown = sorted(set(fields) - SPEECH_FIELDS)
+        if unknown:
+            raise AudioRequestError(f"unsupported parameter {unknown[0]!r}", unknown[0], "unsupported_parameter")
+        text = fields.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise AudioRequestError("input must be a non-empty string", "input")
+        if len(text) > max_chars:
+            raise AudioRequestError(f"input of {len(text)} characters is over the limit of {max_chars} "
+                                    "(--max-speech-input-chars)", "input", "string_above_max_length")
+        for name in ("model", "voice"):
+            if name in fields and not isinstance(fields[name], str):
+                raise AudioRequestError(f"{name} must be a string", name)
+        response_format = fields.get("response_format", "pcm")
+        if response_format not in SPEECH_FORMATS:
+            raise AudioRequestError(f"response_format must be one of {', '.join(SPEECH_FORMATS)} "
+                                    "(this server encodes no compressed audio)", "response_format")
+        speed = fields.get("speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+            raise AudioRequestError("speed must be a number from 0.25 to 4.0", "speed")
+        if fields.get("instructions"):
+            raise AudioRequestError("this voice takes no instructions", "instructions", "unsupported_parameter")
+        stream_format = fields.get("stream_format", "audio")
+        if stream_format not in ("audio", "sse"):
+            raise AudioRequestError("stream_format must be audio or sse", "stream_format")
+        return {"input": text, "response_format": response_format, "speed": float(speed),
+                "stream_format": stream_format}
+
+    async def _pieces(self, request_id: str, queue: asyncio.Queue, first):
+        """The answer's (header, pcm) pieces; stops the talker if the client goes away."""
+        client = self.state.client
+        piece = first
+        try:
+            while True:
+                header, pcm = piece
+                if header.error is not None:
+                    logger.warning("speech %s ended early: %s", request_id, header.error)
+                    return
+                if pcm:
+                    yield pcm
+                if header.final:
+                    return
+                piece = await queue.get()
+        finally:
+            client.cancel_speech(request_id)  # a no-op once the talker said final
+
+    @staticmethod
+    async def _pcm_stream(pieces):
+        async for pcm in pieces:
+            yield pcm
+
+    @staticmethod
+    async def _wav_stream(pieces):
+        yield wav_header(SPEECH_RATE)
+        async for pcm in pieces:
+            yield pcm
+
+    @staticmethod
+    async def _speech_events(pieces):
+        async for pcm in pieces:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        yield _event({"type": "speech.audio.done"})
+
+
+def _event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()

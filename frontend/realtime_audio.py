@@ -1,0 +1,171 @@
+"""A Realtime session's voice: its audio settings, its input audio buffer and its turns.
+
+Input audio arrives in `input_audio_buffer.append` events (base64 in the session's input
+format), is decoded, resampled to the recognizer's 16 kHz as one stream, and kept until a
+commit. With `server_vad` turn detection the session's TurnDetector (Silero VAD) hears each
+chunk (in a worker thread: it is a model): speech that starts sends `speech_started` (and
+interrupts a playing answer when `interrupt_response`), speech that stops sends
+`speech_stopped` and commits the turn. With `turn_detection: null` the client commits.
+
+A commit sends `input_audio_buffer.committed`, adds the user's item (an `input_audio` part)
+to the conversation, has the encoder process transcribe it, sends the transcription events,
+and (server VAD with `create_response`) starts the answer. A commit of silence (Whisper's
+no-speech probability over its threshold) or of nothing is an error event; the session
+goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import copy
+import logging
+
+import numpy as np
+from msgspec import UNSET as _UNSET
+
+from engine.audio_formats import decode_audio, encode_audio, sample_rate_of
+from engine.audio_windows import recognition_windows
+from frontend.edge_decoding import InvalidInput
+from frontend.engine_client import EngineUnavailable
+from frontend.realtime_events import BETA_AUDIO_FORMATS, SessionSettings
+
+logger = logging.getLogger("antiphon.realtime")
+
+RECOGNIZER_RATE = 16000
+RECOGNIZER_WINDOW_S = 30.0
+NO_SPEECH_THRESHOLD = 0.6
+
+DEFAULT_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                          "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
+
+
+def default_audio_settings() -> dict:
+    return {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": dict(DEFAULT_TURN_DETECTION),
+                      "transcription": {"model": "whisper-tiny.en", "language": "en"}, "noise_reduction": None},
+            "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alloy", "speed": 1.0}}
+
+
+def merged_audio_settings(current: dict, update: SessionSettings) -> dict:
+    """The session's audio settings after an update in GA (`audio.input...`) or beta names."""
+    settings = copy.deepcopy(current)
+    given = _given(update)
+    audio = _given(given.get("audio")) if "audio" in given else {}
+    audio_in = _given(audio.get("input")) if "input" in audio else {}
+    audio_out = _given(audio.get("output")) if "output" in audio else {}
+    if "input_audio_format" in given:
+        audio_in.setdefault("format", _format(BETA_AUDIO_FORMATS[given["input_audio_format"]]))
+    if "output_audio_format" in given:
+        audio_out.setdefault("format", _format(BETA_AUDIO_FORMATS[given["output_audio_format"]]))
+    for beta, ga in (("turn_detection", "turn_detection"), ("input_audio_transcription", "transcription")):
+        if beta in given:
+            audio_in.setdefault(ga, given[beta])
+    if "voice" in given:
+        audio_out.setdefault("voice", given["voice"])
+    inputs, outputs = settings["input"], settings["output"]
+    if "format" in audio_in:
+        inputs["format"] = _format(audio_in["format"].type)
+    if "turn_detection" in audio_in:
+        detection = audio_in["turn_detection"]
+        inputs["turn_detection"] = None if detection is None else {**DEFAULT_TURN_DETECTION, **_given(detection)}
+    if "transcription" in audio_in:
+        transcription = audio_in["transcription"]
+        inputs["transcription"] = None if transcription is None else {
+            "model": "whisper-tiny.en", "language": "en", **_given(transcription)}
+    if "format" in audio_out:
+        outputs["format"] = _format(audio_out["format"].type)
+    for name in ("voice", "speed"):
+        if name in audio_out:
+            outputs[name] = audio_out[name]
+    return settings
+
+
+def _given(struct) -> dict:
+    if struct is None:
+        return {}
+    return {name: getattr(struct, name) for name in struct.__struct_fields__
+            if getattr(struct, name) is not _UNSET}
+
+
+def _format(kind: str) -> dict:
+    return {"type": kind, "rate": sample_rate_of(kind)}
+
+
+def decode_client_audio(data: str, format_type: str, param: str) -> np.ndarray:
+    """Base64 audio in a Realtime format -> float32 samples at the format's rate."""
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("audio is not valid base64", "invalid_audio", param) from None
+    try:
+        return decode_audio(raw, format_type)
+    except ValueError as exc:
+        raise InvalidInput(f"audio does not decode as {format_type}: {exc}", "invalid_audio", param) from None
+
+
+def encode_client_audio(pcm16: bytes, format_type: str) -> str:
+    """The talker's 16-bit PCM (already at the format's rate) as base64 in the client's format."""
+    if format_type != "audio/pcm":
+        pcm16 = encode_audio(np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768, format_type)
+    return base64.b64encode(pcm16).decode()
+
+
+async def transcribe(client, samples16k: np.ndarray) -> tuple[str, bool]:
+    """(transcript, heard speech) of a clip of any length, through the encoder process."""
+    texts, heard = [], False
+    for start, end in recognition_windows(samples16k, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S):
+        transcript = await client.transcribe(samples16k[start:end])
+        if transcript.error is not None:
+            raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
+        if transcript.no_speech_probability <= NO_SPEECH_THRESHOLD and transcript.text:
+            texts.append(transcript.text)
+            heard = True
+    return " ".join(texts), heard
+
+
+class InputAudioBuffer:
+    """The audio appended since the last commit, at 16 kHz, and where it sits in the
+    session's audio stream (ms since the session's first appended sample)."""
+
+    def __init__(self, max_seconds: float) -> None:
+        self.max_samples = int(max_seconds * RECOGNIZER_RATE)
+        self.chunks: list[np.ndarray] = []
+        self.samples = 0
+        self.start_ms = 0  # stream time of the buffer's first sample
+        self.stream_ms = 0.0  # stream time of the end of everything appended
+        self._resampler = None
+        self._rate = None
+
+    def append(self, samples: np.ndarray, rate: int) -> np.ndarray:
+        """Adds a chunk at `rate`; returns it at 16 kHz. Raises InvalidInput when full."""
+        import soxr
+
+        if rate != self._rate:  # a new format: a new resampling stream
+            self._resampler = None if rate == RECOGNIZER_RATE else soxr.ResampleStream(
+                rate, RECOGNIZER_RATE, 1, dtype="float32")
+            self._rate = rate
+        resampled = samples if self._resampler is None else self._resampler.resample_chunk(samples)
+        if self.samples + len(resampled) > self.max_samples:
+            raise InvalidInput(f"the input audio buffer holds at most {self.max_samples / RECOGNIZER_RATE:g} s; "
+                               "commit or clear it", "input_audio_buffer_full", "audio")
+        self.chunks.append(resampled)
+        self.samples += len(resampled)
+        self.stream_ms += 1000 * len(samples) / rate
+        return resampled
+
+    def take(self, from_ms: float | None = None) -> np.ndarray:
+        """Everything buffered (or from stream time `from_ms` on), emptying the buffer."""
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.float32)
+        if from_ms is not None:
+            audio = audio[max(0, int((from_ms - self.start_ms) * RECOGNIZER_RATE / 1000)):]
+        self.clear()
+        return audio
+
+    def clear(self) -> None:
+        self.chunks, self.samples = [], 0
+        self.start_ms = int(self.stream_ms)
+
+    @property
+    def duration_ms(self) -> int:
+        return int(1000 * self.samples / RECOGNIZER_RATE)

@@ -1,0 +1,197 @@
+"""The talker process: speech synthesis (a Piper voice on onnxruntime), a peer of the decoder.
+
+The frontend sends each spoken answer's text as it is detokenized (SpeakText), the very text
+it streams as the answer's transcript, so what is heard is what is shown (stop strings and
+all). The talker cuts it into clauses (workers/speech/clause_splitter.py: a short first one,
+then sentences), synthesizes each clause as soon as it is complete, resamples it to the rate
+the client asked for and sends it to the frontend as one PCM frame on the speech socket.
+
+One clause at a time, round robin over the answers with clauses ready, with the input socket
+drained between clauses: a cancel (barge-in, a client gone) takes effect before the next
+clause, and one long answer cannot starve the first words of another. Text deltas never wait
+for audio: they reach the client from the frontend, which does not wait for the talker.
+
+Run by the frontend as `python -m workers.talker_process --config JSON --input ADDR
+--output ADDR --speech ADDR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import zmq
+
+from engine import protocol
+from engine.config import EngineConfig
+from workers.process_guard import die_with_parent, exit_on_signals
+
+logger = logging.getLogger("antiphon.talker")
+
+
+@dataclass
+class SpokenAnswer:
+    sample_rate: int
+    speed: float
+    splitter: object
+    clauses: list[str] = field(default_factory=list)
+    text_complete: bool = False
+    resampler: object = None
+
+
+class TalkerWorker:
+    def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
+        self.config = config
+        self.context = zmq.Context()
+        self.inputs = self.context.socket(zmq.PULL)
+        self.inputs.connect(addresses.input)
+        self.outputs = self.context.socket(zmq.PUSH)  # control: ready, heartbeats
+        self.outputs.connect(addresses.output)
+        self.speech = self.context.socket(zmq.PUSH)  # audio, to the frontend
+        self.speech.connect(addresses.speech)
+        self.voice = None
+        # Answers being spoken, in arrival order: the round robin walks it.
+        self.answers: OrderedDict[str, SpokenAnswer] = OrderedDict()
+        self._last_beat = 0.0
+
+    def load(self) -> None:
+        from workers.speech.piper_voice import PiperVoice
+
+        started = time.perf_counter()
+        self.voice = PiperVoice(self.config.tts_voice, threads=1)
+        self.voice.synthesize("Hello.")  # first-call initialisation of onnxruntime
+        logger.info("voice %s loaded and warmed up in %.2f s", self.voice.voice_name, time.perf_counter() - started)
+        self.outputs.send(protocol.encode(protocol.WorkerReady(worker="talker", pid=os.getpid())))
+
+    def run(self) -> None:
+        while True:
+            busy = any(a.clauses for a in self.answers.values())
+            wait_ms = 0 if busy else max(0, int((self._last_beat + protocol.HEARTBEAT_INTERVAL_S
+                                                  - time.monotonic()) * 1000))
+            if self.inputs.poll(wait_ms):
+                while True:
+                    try:
+                        data = self.inputs.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if not self._handle(data):
+                        return
+            self._speak_next_clause()
+            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
+                self._beat()
+
+    def _handle(self, data: bytes) -> bool:
+        from workers.speech.clause_splitter import ClauseSplitter
+
+        try:
+            message = protocol.decode_talker_input(data)
+        except msgspec.DecodeError as exc:
+            logger.error("skipped an undecodable input (%d bytes): %s", len(data), exc)
+            return True
+        if isinstance(message, protocol.Shutdown):
+            return False
+        if isinstance(message, protocol.CancelSpeech):
+            for request_id in message.request_ids:
+                self.answers.pop(request_id, None)
+            return True
+        answer = self.answers.get(message.request_id)
+        if answer is None:
+            answer = SpokenAnswer(sample_rate=message.sample_rate, speed=message.speed, splitter=ClauseSplitter())
+            self.answers[message.request_id] = answer
+        if answer.text_complete:
+            return True  # text after the final message: the answer is already closed
+        answer.clauses += answer.splitter.feed(message.text)
+        if message.final:
+            answer.clauses += answer.splitter.flush()
+            answer.text_complete = True
+            if not answer.clauses:
+                self._finish(message.request_id)
+        return True
+
+    def _speak_next_clause(self) -> None:
+        request_id = next((r for r, a in self.answers.items() if a.clauses), None)
+        if request_id is None:
+            return
+        answer = self.answers[request_id]
+        self.answers.move_to_end(request_id)  # round robin: the others go first next time
+        clause = answer.clauses.pop(0)
+        try:
+            audio = self.voice.synthesize(clause, speed=answer.speed)
+            pcm = self._to_client_rate(answer, audio)
+        except Exception as exc:  # one bad clause fails its answer, never the talker
+            logger.exception("synthesis failed for %s", request_id)
+            self.answers.pop(request_id, None)
+            self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True,
+                                            error=f"speech synthesis failed: {exc}"))
+            return
+        self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, text=clause), pcm)
+        if answer.text_complete and not answer.clauses:
+            self._finish(request_id)
+
+    def _to_client_rate(self, answer: SpokenAnswer, audio: np.ndarray) -> bytes:
+        import soxr
+
+        if answer.sample_rate != self.voice.sample_rate:
+            # One stream per answer: its filter state carries over clause boundaries.
+            if answer.resampler is None:
+                answer.resampler = soxr.ResampleStream(self.voice.sample_rate, answer.sample_rate, 1,
+                                                       dtype="float32")
+            audio = answer.resampler.resample_chunk(audio.astype(np.float32), last=answer.text_complete
+                                                    and not answer.clauses)
+        return (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+    def _finish(self, request_id: str) -> None:
+        answer = self.answers.pop(request_id)
+        self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True))
+
+    def _send(self, message: protocol.SpeechAudio, pcm: bytes | None = None) -> None:
+        header = protocol.encode(message)
+        if pcm:
+            self.speech.send_multipart([header, pcm], copy=False)
+        else:
+            self.speech.send(header)
+
+    def _beat(self) -> None:
+        self.outputs.send(protocol.encode(protocol.Heartbeat(worker="talker", pid=os.getpid())))
+        self._last_beat = time.monotonic()
+
+    def close(self) -> None:
+        for socket in (self.inputs, self.outputs, self.speech):
+            socket.close(linger=0)
+        self.context.term()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    for name in ("input", "output", "speech"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args()
+    die_with_parent()
+    exit_on_signals()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s talker %(levelname)s %(message)s")
+    worker = TalkerWorker(EngineConfig(**json.loads(args.config)), args)
+    try:
+        worker.load()
+        worker.run()
+    except SystemExit:
+        pass
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("talker failed:\n%s", message)
+        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="talker", message=message)))
+        raise
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
