@@ -21,6 +21,7 @@ by, so a decoded stream encodes back to the same bytes.
 from __future__ import annotations
 
 import io
+import numbers
 import struct
 import wave
 from collections.abc import Callable
@@ -167,15 +168,21 @@ def to_pcm16(samples: np.ndarray) -> np.ndarray:
     return np.clip(scaled, -PCM16_SCALE, PCM16_SCALE - 1).astype(np.int16)
 
 
+def _rate(name: str, rate: int) -> int:
+    # numpy's integers are welcome (a rate read from an array); floats are not: a rate with
+    # a fraction is a bug upstream, better found here than heard as a pitch shift.
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Integral) or rate <= 0:
+        raise ValueError(f"{name} must be a positive whole number of Hz, got {rate!r}")
+    return int(rate)
+
+
 # ---- resampling ------------------------------------------------------------------------------
 
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     """Float32 mono `samples` at `from_rate` Hz -> at `to_rate` Hz (soxr, high quality).
     For a stream cut into chunks use soxr.ResampleStream: this treats each call as a whole
     clip, so chunk edges would click."""
-    for name, rate in (("from_rate", from_rate), ("to_rate", to_rate)):
-        if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
-            raise ValueError(f"{name} must be a positive whole number of Hz, got {rate!r}")
+    from_rate, to_rate = _rate("from_rate", from_rate), _rate("to_rate", to_rate)
     samples = np.asarray(samples, dtype=np.float32)
     if from_rate == to_rate or len(samples) == 0:
         return samples
@@ -217,8 +224,7 @@ def _pcm_to_float(frames: bytes, width: int) -> np.ndarray:
 def wav_header(rate: int, data_bytes: int | None = None) -> bytes:
     """The 44-byte header of a 16-bit mono PCM WAV; `data_bytes=None` announces an open
     length, for audio streamed before its end is known."""
-    if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
-        raise ValueError(f"rate must be a positive whole number of Hz, got {rate!r}")
+    rate = _rate("rate", rate)
     data_size = OPEN_LENGTH if data_bytes is None else data_bytes
     riff_size = OPEN_LENGTH if data_bytes is None else 36 + data_bytes
     fmt = struct.pack("<HHIIHH", 1, 1, rate, 2 * rate, 2, 16)  # PCM, mono, rate, bytes/s, align, bits

@@ -41,7 +41,7 @@ from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.limits import EventRate
 from frontend.realtime_audio import (InputAudioBuffer, decode_client_audio, default_audio_settings,
-                                     encode_client_audio, merged_audio_settings, transcribe)
+                                     encode_client_audio, merged_audio_settings, new_turn_detector, transcribe)
 from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
                                       SessionUpdate, decode_client_event)
@@ -243,11 +243,10 @@ class RealtimeSession:
         detection = settings["turn_detection"]
         if detection is None:
             return
-        # Imported here: Silero needs torch, which a text-only frontend never loads.
-        from workers.speech.voice_activity import SpeechStarted, TurnDetector
+        from workers.speech.voice_activity import SpeechStarted
 
         if self.detector is None:
-            self.detector = TurnDetector(threshold=detection["threshold"],
+            self.detector = new_turn_detector(threshold=detection["threshold"],
                                          prefix_padding_ms=detection["prefix_padding_ms"],
                                          silence_duration_ms=detection["silence_duration_ms"])
             self.detector_offset_ms = position_ms
@@ -260,7 +259,9 @@ class RealtimeSession:
             if isinstance(vad_event, SpeechStarted):
                 await self._speech_started(int(self.detector_offset_ms + vad_event.audio_start_ms), detection)
             elif self.speech_item_id is not None:
-                await self._speech_stopped(int(self.detector_offset_ms + vad_event.audio_end_ms), detection)
+                # OpenAI's audio_end_ms counts the silence that ended the turn.
+                end_ms = self.detector_offset_ms + vad_event.audio_end_ms + detection["silence_duration_ms"]
+                await self._speech_stopped(int(end_ms), detection)
 
     async def _speech_started(self, start_ms: int, detection: dict) -> None:
         self.speech_item_id, self.speech_start_ms = new_id("item"), start_ms
@@ -450,7 +451,7 @@ class RealtimeSession:
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
         speaking = audio_out is not None
-        client = self.state.client
+        client = self.state.client if speaking else None
         item = {"id": new_id("item"), "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress",

@@ -173,8 +173,12 @@ def test_resample_keeps_a_tone_and_scales_the_length(from_rate, to_rate):
     assert np.max(np.abs(got[middle] - tone(to_rate)[:len(got)][middle])) < 1e-3
 
 
+def test_resample_takes_numpy_integer_rates():
+    assert len(resample(np.zeros(300, np.float32), np.int64(24000), np.int32(16000))) == 200
+
+
 def test_resample_refuses_rates_that_are_not_rates():
-    for rates in ((0, 16000), (16000, -1), (16000.5, 16000)):
+    for rates in ((0, 16000), (16000, -1), (16000.5, 16000), (True, 16000)):
         with pytest.raises(ValueError, match="rate"):
             resample(np.zeros(10, np.float32), *rates)
 

@@ -68,7 +68,7 @@ def test_streamed_sse_equals_the_plain_answer_and_ends_with_usage(server, offlin
 
 
 def test_models_health_and_metrics(server):
-    assert get_json(server.url + "/health") == (200, {"status": "ok"})
+    assert get_json(server.url + "/health") == (200, {"status": "ok", "voice": "voice is off (--no-voice)"})
     status, models = get_json(server.url + "/v1/models")
     assert status == 200 and models["data"][0]["object"] == "model"
     status, text = request("GET", server.url + "/metrics")

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from engine.audio_formats import resample
 from tests.spoken import spoken
@@ -21,6 +22,18 @@ RATE = 16000
 LOW_NOISE = 0.003  # RMS, about -50 dBFS: a quiet room through a decent microphone
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Silero's per-window operations are tiny; split over two OpenMP threads on a 2-core
+    machine that is busy with anything else, the threads wait on each other at every step
+    (this file: 6 s with one thread, 160 s with two beside a running server test). What these
+    tests pin does not depend on the thread count; the setting is restored after them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def speech(text: str) -> np.ndarray:

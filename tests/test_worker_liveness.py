@@ -66,7 +66,7 @@ def test_undecodable_frames_on_the_outputs_socket_are_skipped(server):
         status, body = complete(server)
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 4
-        assert get_json(server.url + "/health") == (200, {"status": "ok"})
+        assert get_json(server.url + "/health") == (200, {"status": "ok", "voice": "voice is off (--no-voice)"})
     finally:
         stray.close(linger=0)
         context.term()
