@@ -38,3 +38,29 @@ def test_chat_page_streams_the_answer_in_a_browser(server, tiny_llama, tmp_path)
     assert page["stopDisabled"] is True
     assert page["consoleErrors"] == []
     assert screenshot.stat().st_size > 10_000
+
+
+def test_the_page_hears_a_spoken_question_and_speaks_the_answer(voice_server, tmp_path):
+    """Chromium's fake microphone says the question; the page shows its transcript and plays
+    the spoken answer (hands-free, server VAD)."""
+    import numpy as np
+
+    from engine.audio_formats import write_wav
+    from tests.spoken import said_naturally, words
+
+    question = "What color is the sky?"
+    rate = 48000
+    audio = np.concatenate([np.zeros(rate, np.float32), said_naturally(question, rate),
+                            np.zeros(3 * rate, np.float32)])
+    wav = tmp_path / "question.wav"
+    wav.write_bytes(write_wav(audio, rate))
+    screenshot = tmp_path / "voice.png"
+    result = subprocess.run(["node", str(BROWSER_DIR / "voice_page.mjs"), voice_server.url + "/", str(wav),
+                             str(screenshot)], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr + voice_server.log_text()
+    page = json.loads(result.stdout.strip().splitlines()[-1])
+    assert words(page["transcript"]) == words(question), page
+    assert "blue" in page["answer"].lower(), page
+    assert page["audioBytes"] > 24000, page  # more than half a second of the answer was played
+    assert page["errors"] == [] and page["consoleErrors"] == [], page
+    assert screenshot.stat().st_size > 10_000
