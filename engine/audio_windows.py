@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+# The speech recognizer's input (Whisper): 16 kHz mono, at most 30 s per window.
+RECOGNIZER_RATE = 16000
+RECOGNIZER_WINDOW_S = 30.0
+# Whisper's own threshold on its no-speech probability: above it a window is silence (on
+# silence Whisper still writes a word, typically "you").
+NO_SPEECH_THRESHOLD = 0.6
+
 FRAME_S = 0.1
 SEARCH_S = 5.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -60,7 +61,9 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
     state = AppState(config, engine_config,
                      EngineClient(engine_config, max_restarts=config.max_worker_restarts,
                                   restart_window_s=config.worker_restart_window_s,
-                                  worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal),
+                                  worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal,
+                                  max_transcriptions=config.max_transcriptions,
+                                  max_spoken_answers=config.max_spoken_answers),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
     audio = AudioEndpoints(state)
@@ -84,6 +87,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         else:
             logger.info("starting the decoder and encoder processes (each imports torch and loads %s)", path.name)
         await state.client.start()
+        if engine_config.voice:
+            # The turn detector (Silero, torch) loads once here, off the loop: the first
+            # spoken session must not freeze every other stream for a second.
+            from frontend.realtime_audio import new_turn_detector
+
+            await asyncio.to_thread(new_turn_detector, 0.5, 300, 500)
         max_model_len = state.client.ready["decoder"].max_model_len
         # The same EOS ids as the offline engine: generation_config's, the config's, the tokenizer's.
         eos = eos_token_ids(path, tokenizer)

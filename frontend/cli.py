@@ -140,6 +140,9 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                        help="longest text one /v1/audio/speech request may speak")
     group.add_argument("--max-audio-buffer-seconds", type=float, default=120.0,
                        help="audio a Realtime session may buffer before a commit (and one input_audio part)")
+    group.add_argument("--max-transcriptions", type=int, default=16,
+                       help="clips (30 s windows) recognized or queued at once, server-wide")
+    group.add_argument("--max-spoken-answers", type=int, default=16, help="answers spoken at once, server-wide")
     group.add_argument("--ws-compression", action="store_true",
                        help="accept permessage-deflate on WebSockets (off: compressing every small event "
                             "costs CPU on both ends and delays tokens)")
@@ -206,7 +209,8 @@ def _serve(args) -> int:
             max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
             worker_timeout_s=args.worker_timeout_s, max_audio_bytes=args.max_audio_bytes,
             max_audio_seconds=args.max_audio_seconds, max_speech_input_chars=args.max_speech_input_chars,
-            max_audio_buffer_seconds=args.max_audio_buffer_seconds)
+            max_audio_buffer_seconds=args.max_audio_buffer_seconds, max_transcriptions=args.max_transcriptions,
+            max_spoken_answers=args.max_spoken_answers)
         server_config.media_limits()
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)

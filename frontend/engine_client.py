@@ -60,15 +60,24 @@ class EngineUnavailable(RuntimeError):
     """The decoder is not running (starting, restarting or failed)."""
 
 
+class VoiceBusy(EngineUnavailable):
+    """As many clips are being recognized, or answers spoken, as the server allows: try later."""
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window_s: float = 600.0,
-                 worker_timeout_s: float = 30.0, on_fatal=None) -> None:
+                 worker_timeout_s: float = 30.0, on_fatal=None, max_transcriptions: int = 16,
+                 max_spoken_answers: int = 16) -> None:
         # An idle worker reports every HEARTBEAT_INTERVAL_S; a timeout near that would kill
         # healthy workers for a late beat.
         if worker_timeout_s <= 2 * protocol.HEARTBEAT_INTERVAL_S:
             raise ValueError(f"worker_timeout_s must be more than {2 * protocol.HEARTBEAT_INTERVAL_S:g} s")
         self.config = config
         self.worker_timeout_s = worker_timeout_s
+        # One encoder and one talker serve every client: past these, voice work is refused
+        # (429) rather than queued behind a flood.
+        self.max_transcriptions = max_transcriptions
+        self.max_spoken_answers = max_spoken_answers
         self.on_fatal = on_fatal
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
         self.context = zmq.asyncio.Context()
@@ -197,6 +206,9 @@ class EngineClient:
         try:
             await self._spawn(worker)
         except Exception as exc:
+            if worker == "talker":
+                self.voice_status = f"the talker process could not be restarted: {exc}"
+                return
             self._fail(f"the {worker} process could not be restarted: {exc}")
             return
         if not self._failed and self._running == set(self.workers):
@@ -349,7 +361,7 @@ class EngineClient:
         if callback is not None:
             callback()
 
-    async def _send(self, worker: str, data: bytes | list) -> None:
+    async def _send(self, worker: str, data: bytes | list, block: bool = True) -> None:
         socket = self.to_workers.get(worker)
         if worker not in self._running or socket is None or socket.closed:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
@@ -357,7 +369,7 @@ class EngineClient:
             if isinstance(data, list):
                 await socket.send_multipart(data, copy=False)
             else:
-                await socket.send(data)
+                await socket.send(data, flags=0 if block else zmq.NOBLOCK)
         except asyncio.CancelledError:
             # Closing the socket (the worker was lost) cancels a pending send; only a
             # cancellation of this task itself goes on as one.
@@ -399,6 +411,9 @@ class EngineClient:
 
         if not self.config.voice:
             raise EngineUnavailable("voice is off on this server (--no-voice)")
+        if len(self._transcripts) >= self.max_transcriptions:
+            raise VoiceBusy(f"{self.max_transcriptions} clips are being recognized (--max-transcriptions); "
+                            "try again shortly")
         request_id = f"clip-{next(self._clip_ids)}"
         future = asyncio.get_running_loop().create_future()
         self._transcripts[request_id] = future
@@ -418,6 +433,9 @@ class EngineClient:
             raise EngineUnavailable(f"voice unavailable: {self.voice_status}")
         if request_id in self.speech_queues:
             raise ValueError(f"speech {request_id!r} is already in flight")
+        if len(self.speech_queues) >= self.max_spoken_answers:
+            raise VoiceBusy(f"{self.max_spoken_answers} answers are being spoken (--max-spoken-answers); "
+                            "try again shortly")
         queue: asyncio.Queue = asyncio.Queue()
         self.speech_queues[request_id] = queue
         return queue
@@ -426,8 +444,9 @@ class EngineClient:
                     speed: float = 1.0) -> None:
         if request_id not in self.speech_queues:
             return  # cancelled or failed meanwhile: nothing listens any more
+        # Never blocks: a talker that stopped reading must not hold up the answer's text.
         await self._send("talker", protocol.encode(protocol.SpeakText(
-            request_id=request_id, text=text, final=final, sample_rate=sample_rate, speed=speed)))
+            request_id=request_id, text=text, final=final, sample_rate=sample_rate, speed=speed)), block=False)
 
     def cancel_speech(self, request_id: str) -> None:
         """Stop speaking an answer (barge-in, a client gone); idempotent and synchronous."""

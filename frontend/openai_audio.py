@@ -22,21 +22,22 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from engine.audio_formats import read_wav, resample, wav_header
-from engine.audio_windows import recognition_windows
-from frontend.engine_client import EngineUnavailable
+from engine.audio_windows import RECOGNIZER_RATE
+from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.speech_recognition import recognized_segments
 from frontend.openai_http import BodyTooLarge, error_response, read_body
 
 logger = logging.getLogger("antiphon.frontend")
 
-RECOGNIZER_RATE = 16000
-RECOGNIZER_WINDOW_S = 30.0
 SPEECH_RATE = 24000
-# Whisper's own threshold: above it a window is taken as silence (it would still "hear" a word).
-NO_SPEECH_THRESHOLD = 0.6
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
 SPEECH_FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
 TRANSCRIPTION_FIELDS = {"file", "model", "response_format", "language", "temperature", "stream", "prompt"}
 SPEECH_FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format", "instructions"}
+
+
+class SpeechFailed(RuntimeError):
+    """The talker failed mid-answer."""
 
 
 class AudioRequestError(ValueError):
@@ -62,13 +63,15 @@ class AudioEndpoints:
             return error_response(exc.status, str(exc), exc.code, exc.param)
         except ClientDisconnect:
             return Response(status_code=400)
-        windows = recognition_windows(samples, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S)
         duration = len(samples) / RECOGNIZER_RATE
         if options["stream"]:
-            return StreamingResponse(self._stream_transcript(samples, windows, duration),
+            return StreamingResponse(self._stream_transcript(samples, duration),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            segments = [segment async for segment in self._recognize(samples, windows)]
+            segments = [segment async for segment in recognized_segments(self.state.client, samples)]
+        except VoiceBusy as exc:
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
         except EngineUnavailable as exc:
             return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
         text = " ".join(s["text"] for s in segments if s["text"]).strip()
@@ -146,21 +149,10 @@ class AudioEndpoints:
                                     "(--max-audio-seconds)", "file", "audio_too_long")
         return resample(samples, rate, RECOGNIZER_RATE)
 
-    async def _recognize(self, samples: np.ndarray, windows):
-        client = self.state.client
-        for index, (start, end) in enumerate(windows):
-            transcript = await client.transcribe(samples[start:end])
-            if transcript.error is not None:
-                raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
-            silent = transcript.no_speech_probability > NO_SPEECH_THRESHOLD
-            yield {"id": index, "start": round(start / RECOGNIZER_RATE, 3), "end": round(end / RECOGNIZER_RATE, 3),
-                   "text": "" if silent else transcript.text,
-                   "no_speech_prob": round(transcript.no_speech_probability, 4)}
-
-    async def _stream_transcript(self, samples, windows, duration: float):
+    async def _stream_transcript(self, samples, duration: float):
         texts = []
         try:
-            async for segment in self._recognize(samples, windows):
+            async for segment in recognized_segments(self.state.client, samples):
                 if segment["text"]:
                     delta = (" " if texts else "") + segment["text"]
                     texts.append(segment["text"])
@@ -197,6 +189,10 @@ class AudioEndpoints:
                                speed=options["speed"])
             # Wait for the first piece before answering: a failure then is still a clean 503.
             first = await queue.get()
+        except VoiceBusy as exc:
+            client.cancel_speech(request_id)
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
         except EngineUnavailable as exc:
             client.cancel_speech(request_id)
             return error_response(503, str(exc), "voice_unavailable", error_type="server_error")
@@ -256,8 +252,9 @@ class AudioEndpoints:
             while True:
                 header, pcm = piece
                 if header.error is not None:
-                    logger.warning("speech %s ended early: %s", request_id, header.error)
-                    return
+                    # Headers are sent: aborting the body is how the client learns the audio
+                    # is incomplete (an SSE stream gets an error event first).
+                    raise SpeechFailed(header.error)
                 if pcm:
                     yield pcm
                 if header.final:
@@ -279,8 +276,12 @@ class AudioEndpoints:
 
     @staticmethod
     async def _speech_events(pieces):
-        async for pcm in pieces:
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        try:
+            async for pcm in pieces:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        except SpeechFailed as exc:
+            yield _event({"type": "error", "error": {"message": str(exc), "code": "voice_unavailable"}})
+            return
         yield _event({"type": "speech.audio.done"})
 
 

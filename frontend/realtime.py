@@ -38,10 +38,11 @@ from engine.sampling_params import SamplingParams
 from frontend.admission import AdmissionRefused, RequestLease
 from frontend.chat_request import sampling_params_or_invalid
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable
+from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.limits import EventRate
 from frontend.realtime_audio import (InputAudioBuffer, decode_client_audio, default_audio_settings,
-                                     encode_client_audio, merged_audio_settings, new_turn_detector, transcribe)
+                                     encode_client_audio, merged_audio_settings, new_turn_detector)
+from frontend.speech_recognition import transcribe
 from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
                                       SessionUpdate, decode_client_event)
@@ -175,6 +176,13 @@ class RealtimeSession:
             raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
                                "delete some with conversation.item.delete", "conversation_full", "item")
         item = _message_item(event.item, self._takes_images)
+        if item["id"] in self.items:
+            raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
+        previous = event.previous_item_id
+        if previous is not None and previous != "root" and previous not in self.items:
+            raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
+        # Recognized only once the cheap checks pass (a session's events are handled one at
+        # a time, so they still hold after it).
         if any(part["type"] == "input_audio" for part in item["content"]):
             await self._transcribe_parts(item)
         size = _item_bytes(item)
@@ -182,11 +190,6 @@ class RealtimeSession:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
                                "of text (instructions included); delete some items with conversation.item.delete",
                                "conversation_full", "item")
-        if item["id"] in self.items:
-            raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
-        previous = event.previous_item_id
-        if previous is not None and previous != "root" and previous not in self.items:
-            raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
         self.items = _insert_after(self.items, item, previous)
         self.conversation_bytes += size
         await self.send({"type": "conversation.item.added", "previous_item_id": _previous_id(self.items, item["id"]),
@@ -238,17 +241,20 @@ class RealtimeSession:
         self._require_voice("audio")
         settings = self.session["audio"]["input"]
         samples = decode_client_audio(event.audio, settings["format"]["type"], "audio")
+        detection = settings["turn_detection"]
+        if detection is not None and self.speech_item_id is None:
+            # Between turns only the coming turn's prefix padding can be committed.
+            self.audio_buffer.keep_last(detection["prefix_padding_ms"] + 1000)
         position_ms = self.audio_buffer.stream_ms
         resampled = self.audio_buffer.append(samples, settings["format"]["rate"])
-        detection = settings["turn_detection"]
         if detection is None:
             return
         from workers.speech.voice_activity import SpeechStarted
 
         if self.detector is None:
             self.detector = new_turn_detector(threshold=detection["threshold"],
-                                         prefix_padding_ms=detection["prefix_padding_ms"],
-                                         silence_duration_ms=detection["silence_duration_ms"])
+                                              prefix_padding_ms=detection["prefix_padding_ms"],
+                                              silence_duration_ms=detection["silence_duration_ms"])
             self.detector_offset_ms = position_ms
         detector = self.detector
         # Silero runs a model: a worker thread keeps the event loop free for other sessions.
@@ -476,7 +482,8 @@ class RealtimeSession:
             try:
                 speech = client.open_speech(response_id)
             except EngineUnavailable as exc:
-                speech, error = None, ("server_error", "voice_unavailable", str(exc))
+                code = "voice_busy" if isinstance(exc, VoiceBusy) else "voice_unavailable"
+                speech, error = None, ("server_error", code, str(exc))
             if speech is not None:
                 pump = asyncio.create_task(self._pump_audio(speech, where, audio_out["format"]["type"], clauses))
         stream = self.state.generation.stream(lease, prompt, params, self.cache_salt)
@@ -491,7 +498,7 @@ class RealtimeSession:
                 await self.send(event)
                 opened += 1
             if speaking and pump is None:
-                raise _VoiceFailed(error[2])
+                raise _VoiceFailed(error[2], error[1])
             chunk = await first
             while chunk is not None:
                 last = chunk
@@ -502,12 +509,15 @@ class RealtimeSession:
                             raise _VoiceFailed(pump.result() or "speech ended early")
                         await self.send({"type": "response.output_audio_transcript.delta", **where,
                                          "delta": chunk.text})
-                        await client.speak(response_id, chunk.text, sample_rate=rate, speed=speed)
+                        await self._speak(response_id, chunk.text, False, rate, speed)
                     else:
                         await self.send({"type": "response.output_text.delta", **where, "delta": chunk.text})
                 chunk = await anext(stream, None)
             if speaking:
-                await client.speak(response_id, "", final=True, sample_rate=rate, speed=speed)
+                await self._speak(response_id, "", True, rate, speed)
+                # The decoder is done: its admission slot is free while the audio plays out.
+                await stream.aclose()
+                lease.release()
                 failure = await pump  # every clause sent: the answer is complete when its audio is
                 if failure is not None:
                     raise _VoiceFailed(failure)
@@ -519,7 +529,7 @@ class RealtimeSession:
         except EngineUnavailable as exc:
             error = ("server_error", "engine_unavailable", str(exc))
         except _VoiceFailed as exc:
-            error = ("server_error", "voice_unavailable", str(exc))
+            error = ("server_error", exc.code, str(exc))
         except asyncio.CancelledError:
             response["status"] = "cancelled"
             response["status_details"] = {"type": "cancelled", "reason": "client_cancelled"}
@@ -591,6 +601,12 @@ class RealtimeSession:
             # itself) before this response.done has gone out.
             self._forget_response(response_id)
 
+    async def _speak(self, response_id: str, text: str, final: bool, rate: int, speed: float) -> None:
+        try:
+            await self.state.client.speak(response_id, text, final=final, sample_rate=rate, speed=speed)
+        except EngineUnavailable as exc:  # the talker is gone or stopped reading
+            raise _VoiceFailed(str(exc)) from None
+
     async def _pump_audio(self, speech: asyncio.Queue, where: dict, format_type: str,
                           clauses: list[tuple[str, float]]) -> str | None:
         """Sends the answer's audio as the talker makes it; returns None when it is complete,
@@ -639,12 +655,17 @@ class RealtimeSession:
     async def send_error(self, message: str, code: str, param: str | None = None,
                          client_event_id: str | None = None) -> None:
         await self.send({"type": "error", "error": {
-            "type": "invalid_request_error" if code not in ("engine_error", "engine_unavailable") else "server_error",
+            "type": ("server_error" if code in ("engine_error", "engine_unavailable", "voice_unavailable", "voice_busy")
+                     else "invalid_request_error"),
             "code": code, "message": message, "param": param, "event_id": client_event_id}})
 
 
 class _VoiceFailed(Exception):
     """A spoken answer's audio could not be made (the talker is down or died mid-answer)."""
+
+    def __init__(self, message: str, code: str = "voice_unavailable") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _settings(settings: SessionSettings) -> dict:

@@ -26,16 +26,11 @@ import numpy as np
 from msgspec import UNSET as _UNSET
 
 from engine.audio_formats import decode_audio, encode_audio, sample_rate_of
-from engine.audio_windows import recognition_windows
+from engine.audio_windows import RECOGNIZER_RATE
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable
 from frontend.realtime_events import BETA_AUDIO_FORMATS, SessionSettings
 
 logger = logging.getLogger("antiphon.realtime")
-
-RECOGNIZER_RATE = 16000
-RECOGNIZER_WINDOW_S = 30.0
-NO_SPEECH_THRESHOLD = 0.6
 
 DEFAULT_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                           "silence_duration_ms": 500, "create_response": True, "interrupt_response": True}
@@ -54,10 +49,14 @@ def merged_audio_settings(current: dict, update: SessionSettings) -> dict:
     audio = _given(given.get("audio")) if "audio" in given else {}
     audio_in = _given(audio.get("input")) if "input" in audio else {}
     audio_out = _given(audio.get("output")) if "output" in audio else {}
+    # Formats as their type names from here on, whichever way they came.
+    for part in (audio_in, audio_out):
+        if "format" in part:
+            part["format"] = _format_type(part["format"])
     if "input_audio_format" in given:
-        audio_in.setdefault("format", _format(BETA_AUDIO_FORMATS[given["input_audio_format"]]))
+        audio_in.setdefault("format", BETA_AUDIO_FORMATS[given["input_audio_format"]])
     if "output_audio_format" in given:
-        audio_out.setdefault("format", _format(BETA_AUDIO_FORMATS[given["output_audio_format"]]))
+        audio_out.setdefault("format", BETA_AUDIO_FORMATS[given["output_audio_format"]])
     for beta, ga in (("turn_detection", "turn_detection"), ("input_audio_transcription", "transcription")):
         if beta in given:
             audio_in.setdefault(ga, given[beta])
@@ -65,7 +64,7 @@ def merged_audio_settings(current: dict, update: SessionSettings) -> dict:
         audio_out.setdefault("voice", given["voice"])
     inputs, outputs = settings["input"], settings["output"]
     if "format" in audio_in:
-        inputs["format"] = _format(audio_in["format"].type)
+        inputs["format"] = _format(audio_in["format"])
     if "turn_detection" in audio_in:
         detection = audio_in["turn_detection"]
         inputs["turn_detection"] = None if detection is None else {**DEFAULT_TURN_DETECTION, **_given(detection)}
@@ -74,7 +73,7 @@ def merged_audio_settings(current: dict, update: SessionSettings) -> dict:
         inputs["transcription"] = None if transcription is None else {
             "model": "whisper-tiny.en", "language": "en", **_given(transcription)}
     if "format" in audio_out:
-        outputs["format"] = _format(audio_out["format"].type)
+        outputs["format"] = _format(audio_out["format"])
     for name in ("voice", "speed"):
         if name in audio_out:
             outputs[name] = audio_out[name]
@@ -86,6 +85,16 @@ def _given(struct) -> dict:
         return {}
     return {name: getattr(struct, name) for name in struct.__struct_fields__
             if getattr(struct, name) is not _UNSET}
+
+
+def _format_type(audio_format) -> str:
+    """A GA format struct's type; a rate other than the format's own is refused (this
+    server resamples nothing the client sends at a rate it did not say)."""
+    rate = sample_rate_of(audio_format.type)
+    if audio_format.rate is not _UNSET and audio_format.rate != rate:
+        raise InvalidInput(f"{audio_format.type} is {rate} Hz here, not {audio_format.rate}", "invalid_value",
+                           "session.audio.format.rate")
+    return audio_format.type
 
 
 def _format(kind: str) -> dict:
@@ -109,19 +118,6 @@ def encode_client_audio(pcm16: bytes, format_type: str) -> str:
     if format_type != "audio/pcm":
         pcm16 = encode_audio(np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768, format_type)
     return base64.b64encode(pcm16).decode()
-
-
-async def transcribe(client, samples16k: np.ndarray) -> tuple[str, bool]:
-    """(transcript, heard speech) of a clip of any length, through the encoder process."""
-    texts, heard = [], False
-    for start, end in recognition_windows(samples16k, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S):
-        transcript = await client.transcribe(samples16k[start:end])
-        if transcript.error is not None:
-            raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
-        if transcript.no_speech_probability <= NO_SPEECH_THRESHOLD and transcript.text:
-            texts.append(transcript.text)
-            heard = True
-    return " ".join(texts), heard
 
 
 _torch_threads_set = False
@@ -181,6 +177,16 @@ class InputAudioBuffer:
             audio = audio[max(0, int((from_ms - self.start_ms) * RECOGNIZER_RATE / 1000)):]
         self.clear()
         return audio
+
+    def keep_last(self, ms: float) -> None:
+        """Drops all but the last `ms` of audio: with server VAD, audio before a turn's
+        prefix padding is never committed, and an open microphone must not fill the buffer."""
+        keep = int(ms * RECOGNIZER_RATE / 1000)
+        if self.samples <= keep:
+            return
+        tail = np.concatenate(self.chunks)[-keep:] if keep else np.zeros(0, dtype=np.float32)
+        self.chunks, self.samples = [tail], len(tail)
+        self.start_ms = int(self.stream_ms - 1000 * len(tail) / RECOGNIZER_RATE)
 
     def clear(self) -> None:
         self.chunks, self.samples = [], 0

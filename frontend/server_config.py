@@ -71,6 +71,10 @@ class ServerConfig:
     max_speech_input_chars: int = 4096
     # A Realtime session's input audio buffer (and one input_audio part), in seconds.
     max_audio_buffer_seconds: float = 120.0
+    # Server-wide: clips (30 s windows) being recognized and answers being spoken at once;
+    # past either, 429 / `voice_busy`.
+    max_transcriptions: int = 16
+    max_spoken_answers: int = 16
 
     def media_limits(self):
         """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
@@ -84,7 +88,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",
-                     "max_speech_input_chars", "max_audio_buffer_seconds"):
+                     "max_speech_input_chars", "max_audio_buffer_seconds",
+                     "max_transcriptions", "max_spoken_answers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",

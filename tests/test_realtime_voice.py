@@ -175,6 +175,8 @@ async def test_g711_in_and_out(voice_server):
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/mp3"}}}}},
      "invalid_value"),
     ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}, "invalid_value"),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8000}}}}},
+     "invalid_value"),
 ])
 async def test_bad_audio_events_get_an_error_and_the_session_goes_on(voice_server, event, code):
     async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
@@ -215,3 +217,29 @@ async def test_the_buffer_limit_is_enforced(voice_server):
         assert error["code"] == "input_audio_buffer_full"
         await send(ws, {"type": "input_audio_buffer.clear"})
         await events_until(ws, "input_audio_buffer.cleared")
+
+
+async def test_beta_audio_setting_names_are_accepted(voice_server):
+    async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
+        await events_until(ws, "session.created")
+        await send(ws, {"type": "session.update", "session": {
+            "modalities": ["audio"], "input_audio_format": "g711_ulaw", "output_audio_format": "g711_alaw",
+            "turn_detection": None, "input_audio_transcription": {"model": "whisper-1"}, "voice": "verse"}})
+        session = (await events_until(ws, "session.updated"))[-1]["session"]
+    audio = session["audio"]
+    assert session["output_modalities"] == ["audio"]
+    assert audio["input"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+    assert audio["output"]["format"] == {"type": "audio/pcma", "rate": 8000}
+    assert audio["input"]["turn_detection"] is None and audio["output"]["voice"] == "verse"
+
+
+async def test_an_open_microphone_between_turns_never_fills_the_buffer(voice_server):
+    async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
+        await events_until(ws, "session.created")  # server VAD is the default
+        second = base64.b64encode(np.zeros(24000, "<i2").tobytes()).decode()
+        for _ in range(25):  # silence past --max-audio-buffer-seconds 20
+            await send(ws, {"type": "input_audio_buffer.append", "audio": second})
+        await send(ws, {"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}})
+        events = await events_until(ws, "conversation.item.added")
+        assert "error" not in [e["type"] for e in events], events

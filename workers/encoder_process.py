@@ -10,8 +10,9 @@ item's header without its pixels; if the item left the cache before it was asked
 encoder asks the frontend for the pixels (ItemsMissing).
 Text-only models have no tower: the process then only answers heartbeats.
 With voice on it also holds the speech recognizer (Whisper): speech is audio understanding.
-The frontend sends a clip (TranscribeAudio + its samples); the transcript goes back on the
-output socket. Clips are recognized after the step's embedding asks are served, one at a time.
+The frontend sends a clip (TranscribeAudio + its samples); a thread of its own recognizes it
+(workers/speech/transcription_thread.py), so embeddings and heartbeats never wait for speech,
+and sends the transcript to the frontend.
 
 Run by the frontend as `python -m workers.encoder_process --config JSON --input ADDR
 --asks ADDR --embeddings ADDR --output ADDR`.
@@ -63,8 +64,8 @@ class EncoderWorker:
         # Items whose pixels the frontend has been asked for, not yet received.
         self.pixels_wanted: set[str] = set()
         self._last_beat = 0.0
-        self.recognizer = None
-        self.clips: list[tuple[str, object]] = []  # (request id, samples) to transcribe
+        self.output_address = addresses.output
+        self.transcriber = None
 
     def load(self) -> None:
         from transformers import AutoConfig
@@ -96,10 +97,13 @@ class EncoderWorker:
         import numpy as np
 
         from workers.speech.recognizer import SpeechRecognizer
+        from workers.speech.transcription_thread import TranscriptionThread
 
         started = time.perf_counter()
-        self.recognizer = SpeechRecognizer(self.config.asr_model)
-        self.recognizer.transcribe(np.zeros(16000, dtype=np.float32))  # first-call initialisation
+        recognizer = SpeechRecognizer(self.config.asr_model)
+        recognizer.transcribe(np.zeros(16000, dtype=np.float32))  # first-call initialisation
+        self.transcriber = TranscriptionThread(recognizer, self.context, self.output_address,
+                                               max_wait_s=self.config.encoder_timeout_s)
         logger.info("speech recognizer loaded and warmed up in %.2f s", time.perf_counter() - started)
 
     def run(self) -> None:
@@ -115,7 +119,6 @@ class EncoderWorker:
                     asked += self._decode_ask(self.asks.recv())
                 ready = dict(self.poller.poll(0))
             self._serve(asked)
-            self._transcribe()
             # Beat on a clock, not only when idle: a steady stream of inputs must not keep
             # the frontend from hearing that this loop is alive.
             if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
@@ -203,30 +206,19 @@ class EncoderWorker:
     def _take_clip(self, request_id: str, frames) -> None:
         import numpy as np
 
-        if self.recognizer is None:
-            self._send_transcript(protocol.AudioTranscript(request_id=request_id, error="voice is off on this server"))
+        error = None
+        if self.transcriber is None:
+            error = "voice is off on this server"
         elif len(frames) != 1 or len(frames[0].buffer) % 4:
-            self._send_transcript(protocol.AudioTranscript(request_id=request_id, error="malformed audio frame"))
+            error = "malformed audio frame"
         else:
-            self.clips.append((request_id, np.frombuffer(frames[0].buffer, dtype=np.float32)))
-
-    def _transcribe(self) -> None:
-        clips, self.clips = self.clips, []
-        for request_id, samples in clips:
-            started = time.perf_counter()
-            try:
-                transcript = self.recognizer.transcribe(samples)
-            except ValueError as exc:
-                self._send_transcript(protocol.AudioTranscript(request_id=request_id, error=str(exc)))
-                continue
-            self._send_transcript(protocol.AudioTranscript(
-                request_id=request_id, text=transcript.text, no_speech_probability=transcript.no_speech_probability,
-                audio_seconds=transcript.audio_seconds, seconds=time.perf_counter() - started))
-            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
-                self._beat()
-
-    def _send_transcript(self, message: protocol.AudioTranscript) -> None:
-        self.outputs.send(protocol.encode(message))
+            samples = np.frombuffer(frames[0].buffer, dtype=np.float32)
+            if not np.isfinite(samples).all():
+                error = "audio samples must be finite"
+        if error is not None:
+            self.outputs.send(protocol.encode(protocol.AudioTranscript(request_id=request_id, error=error)))
+        else:
+            self.transcriber.submit(request_id, samples)
 
     def _send(self, message: protocol.ItemEmbeddings) -> None:
         self.embeddings.send(protocol.encode(message))
@@ -244,6 +236,8 @@ class EncoderWorker:
             cache_used=cache.used, cache_budget=cache.budget, cache_items=len(cache))))
 
     def close(self) -> None:
+        if self.transcriber is not None:
+            self.transcriber.stop()
         for socket in (self.inputs, self.asks, self.embeddings, self.outputs):
             socket.close(linger=0)
         self.context.term()

@@ -31,10 +31,15 @@ import numpy as np
 import zmq
 
 from engine import protocol
+from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
 from workers.process_guard import die_with_parent, exit_on_signals
 
 logger = logging.getLogger("antiphon.talker")
+
+# Answers ended here (finished, failed, cancelled) whose text may still be on its way: text
+# for them is dropped, not taken for a new answer. Bounded: the oldest are forgotten.
+CLOSED_REMEMBERED = 4096
 
 
 @dataclass
@@ -45,6 +50,7 @@ class SpokenAnswer:
     clauses: list[str] = field(default_factory=list)
     text_complete: bool = False
     resampler: object = None
+    resampler_flushed: bool = False
 
 
 class TalkerWorker:
@@ -60,6 +66,7 @@ class TalkerWorker:
         self.voice = None
         # Answers being spoken, in arrival order: the round robin walks it.
         self.answers: OrderedDict[str, SpokenAnswer] = OrderedDict()
+        self.closed: OrderedDict[str, None] = OrderedDict()
         self._last_beat = 0.0
 
     def load(self) -> None:
@@ -101,6 +108,9 @@ class TalkerWorker:
         if isinstance(message, protocol.CancelSpeech):
             for request_id in message.request_ids:
                 self.answers.pop(request_id, None)
+                self._close(request_id)
+            return True
+        if message.request_id in self.closed:
             return True
         answer = self.answers.get(message.request_id)
         if answer is None:
@@ -129,6 +139,7 @@ class TalkerWorker:
         except Exception as exc:  # one bad clause fails its answer, never the talker
             logger.exception("synthesis failed for %s", request_id)
             self.answers.pop(request_id, None)
+            self._close(request_id)
             self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True,
                                             error=f"speech synthesis failed: {exc}"))
             return
@@ -144,13 +155,24 @@ class TalkerWorker:
             if answer.resampler is None:
                 answer.resampler = soxr.ResampleStream(self.voice.sample_rate, answer.sample_rate, 1,
                                                        dtype="float32")
-            audio = answer.resampler.resample_chunk(audio.astype(np.float32), last=answer.text_complete
-                                                    and not answer.clauses)
-        return (np.clip(audio, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+            last = answer.text_complete and not answer.clauses
+            audio = answer.resampler.resample_chunk(audio.astype(np.float32), last=last)
+            answer.resampler_flushed = last
+        return to_pcm16(audio).astype("<i2").tobytes()
 
     def _finish(self, request_id: str) -> None:
         answer = self.answers.pop(request_id)
-        self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True))
+        self._close(request_id)
+        tail = b""
+        if answer.resampler is not None and not answer.resampler_flushed:
+            # The text ended after the last clause was resampled: the filter's tail is left.
+            tail = to_pcm16(answer.resampler.resample_chunk(np.zeros(0, np.float32), last=True)).tobytes()
+        self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True), tail)
+
+    def _close(self, request_id: str) -> None:
+        self.closed[request_id] = None
+        while len(self.closed) > CLOSED_REMEMBERED:
+            self.closed.popitem(last=False)
 
     def _send(self, message: protocol.SpeechAudio, pcm: bytes | None = None) -> None:
         header = protocol.encode(message)

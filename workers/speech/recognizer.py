@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.audio_windows import NO_SPEECH_THRESHOLD, RECOGNIZER_RATE  # noqa: F401  (re-exported)
 from workers.speech.whisper_checkpoint import (END_OF_TEXT_TOKEN, NO_CAPTIONS_TOKEN, NO_TIMESTAMPS_TOKEN,
                                                START_OF_TRANSCRIPT_TOKEN, ensure_default_asr_model)
 
-SAMPLE_RATE = 16000
+SAMPLE_RATE = RECOGNIZER_RATE
 # Encoder positions per second of audio (100 mel frames, halved by the second convolution).
 POSITIONS_PER_SECOND = 50
 # Silence after the speech inside the window: too tight a window makes Whisper drop or
@@ -38,7 +39,6 @@ MIN_WINDOW_S = 8
 # decoding loop, cut short.
 MAX_TOKENS_PER_SECOND = 8
 MIN_TOKEN_ALLOWANCE = 16
-NO_SPEECH_THRESHOLD = 0.6
 
 
 @dataclass
