@@ -74,6 +74,8 @@ class RealtimeSession:
         self.speech_item_id: str | None = None
         self.speech_start_ms: int | None = None
         self.spoken: dict[str, list[tuple[str, float]]] = {}
+        # The turn's recognition started early, when a pause began: ((item id, pause start), task).
+        self.early_transcript: tuple[tuple[str, int], asyncio.Task] | None = None
         # The conversation, in order, by item id, and the bytes of its text and instructions.
         self.items: dict[str, dict] = {}
         self.conversation_bytes = 0
@@ -111,6 +113,7 @@ class RealtimeSession:
             pass
         finally:
             watchdog.cancel()
+            self._drop_early_transcript()
             # A client that goes away mid-stream frees its requests and KV blocks at once.
             for response_id, task in list(self.responses.items()):
                 if response_id not in self.finishing:
@@ -165,8 +168,7 @@ class RealtimeSession:
                                f"{self.config.max_conversation_bytes} bytes of text; shorten them or delete "
                                "items with conversation.item.delete", "conversation_full", "session.instructions")
         if candidate["audio"]["input"]["turn_detection"] != self.session["audio"]["input"]["turn_detection"]:
-            self.detector = None  # made again with the new settings, from the next audio on
-            self.speech_item_id = self.speech_start_ms = None
+            self._reset_turn()  # the detector is made again with the new settings, from the next audio on
         self.session = candidate
         self.conversation_bytes += grown
         await self.send({"type": "session.updated", "session": self.session})
@@ -267,7 +269,32 @@ class RealtimeSession:
             elif self.speech_item_id is not None:
                 # OpenAI's audio_end_ms counts the silence that ended the turn.
                 end_ms = self.detector_offset_ms + vad_event.audio_end_ms + detection["silence_duration_ms"]
-                await self._speech_stopped(int(end_ms), detection)
+                await self._speech_stopped(int(end_ms), vad_event.audio_end_ms, detection)
+        if detector is self.detector:
+            self._recognize_early(detector)
+
+    def _recognize_early(self, detector) -> None:
+        """Recognizes the turn as soon as a pause begins, while VAD waits to see whether the
+        pause ends the turn (silence_duration_ms): when it does, the transcript is (nearly)
+        ready. Speech that resumes drops the early result; the encoder's work on it is lost."""
+        pause = detector.silence_from_ms
+        if pause is None or self.speech_item_id is None:
+            self._drop_early_transcript()
+            return
+        key = (self.speech_item_id, pause)
+        if self.early_transcript is not None and self.early_transcript[0] == key:
+            return
+        self._drop_early_transcript()
+        audio = self.audio_buffer.peek(self.speech_start_ms)
+        self.early_transcript = (key, asyncio.create_task(transcribe(self.state.client, audio)))
+
+    def _drop_early_transcript(self) -> None:
+        if self.early_transcript is not None:
+            task = self.early_transcript[1]
+            if task.done() and not task.cancelled():
+                task.exception()  # seen: a failed early attempt needs no log
+            task.cancel()
+            self.early_transcript = None
 
     async def _speech_started(self, start_ms: int, detection: dict) -> None:
         self.speech_item_id, self.speech_start_ms = new_id("item"), start_ms
@@ -280,10 +307,15 @@ class RealtimeSession:
             task.cancel()
             await asyncio.wait([task])
 
-    async def _speech_stopped(self, end_ms: int, detection: dict) -> None:
+    async def _speech_stopped(self, end_ms: int, pause_ms: int, detection: dict) -> None:
         item_id, start_ms = self.speech_item_id, self.speech_start_ms
+        early = None
+        if self.early_transcript is not None and self.early_transcript[0] == (item_id, pause_ms):
+            early = self.early_transcript[1]  # recognized from where this pause began: the same turn
+            self.early_transcript = None
+        self._drop_early_transcript()
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": end_ms, "item_id": item_id})
-        await self._commit(item_id, start_ms, detection["create_response"], None)
+        await self._commit(item_id, start_ms, detection["create_response"], None, early)
 
     async def on_audio_commit(self, event: AudioCommit) -> None:
         self._require_voice("input_audio_buffer")
@@ -299,12 +331,14 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.cleared"})
 
     def _reset_turn(self) -> None:
+        self._drop_early_transcript()
         self.detector = None  # made afresh, from the next audio on
         self.speech_item_id = self.speech_start_ms = None
 
     async def _commit(self, item_id: str, from_ms: int | None, create_response: bool,
-                      client_event_id: str | None) -> None:
-        """The buffered turn becomes a user item; its transcript is its text."""
+                      client_event_id: str | None, early: asyncio.Task | None = None) -> None:
+        """The buffered turn becomes a user item; its transcript is its text (`early`: its
+        recognition, started when the pause that ended it began)."""
         audio = self.audio_buffer.take(from_ms)
         if from_ms is None:
             self._reset_turn()  # a manual commit mid-speech starts the next turn afresh
@@ -321,7 +355,7 @@ class RealtimeSession:
         reporting = self.session["audio"]["input"]["transcription"] is not None
         failure = None
         try:
-            text, heard = await transcribe(self.state.client, audio)
+            text, heard = await (early if early is not None else transcribe(self.state.client, audio))
             if not heard:
                 failure = ("input_audio_no_speech", "no speech was heard in the committed audio")
         except EngineUnavailable as exc:

@@ -170,14 +170,6 @@ class InputAudioBuffer:
         self.stream_ms += 1000 * len(samples) / rate
         return resampled
 
-    def take(self, from_ms: float | None = None) -> np.ndarray:
-        """Everything buffered (or from stream time `from_ms` on), emptying the buffer."""
-        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.float32)
-        if from_ms is not None:
-            audio = audio[max(0, int((from_ms - self.start_ms) * RECOGNIZER_RATE / 1000)):]
-        self.clear()
-        return audio
-
     def keep_last(self, ms: float) -> None:
         """Drops all but the last `ms` of audio: with server VAD, audio before a turn's
         prefix padding is never committed, and an open microphone must not fill the buffer."""
@@ -187,6 +179,19 @@ class InputAudioBuffer:
         tail = np.concatenate(self.chunks)[-keep:] if keep else np.zeros(0, dtype=np.float32)
         self.chunks, self.samples = [tail], len(tail)
         self.start_ms = int(self.stream_ms - 1000 * len(tail) / RECOGNIZER_RATE)
+
+    def peek(self, from_ms: float | None = None) -> np.ndarray:
+        """What `take` would return, leaving the buffer as it is."""
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.float32)
+        if from_ms is not None:
+            audio = audio[max(0, int((from_ms - self.start_ms) * RECOGNIZER_RATE / 1000)):]
+        return audio
+
+    def take(self, from_ms: float | None = None) -> np.ndarray:
+        """Everything buffered (or from stream time `from_ms` on), emptying the buffer."""
+        audio = self.peek(from_ms)
+        self.clear()
+        return audio
 
     def clear(self) -> None:
         self.chunks, self.samples = [], 0

@@ -14,10 +14,11 @@ import websockets
 
 from engine.audio_formats import encode_audio, write_wav
 from tests.server_harness import request
-from tests.spoken import said_naturally, word_similarity, words
+from tests.spoken import said_naturally, transcript_similarity, words
 
+# Said by the Piper voice, tiny.en heard this one right in every variant tried (8 of 8, and
+# through the server-VAD path 6 of 6); "What color is the sky?" only in 5 of 8.
 QUESTION = "What is the capital of France?"
-VAD_QUESTION = "What color is the sky?"
 CHUNK_S = 0.1
 
 
@@ -75,7 +76,7 @@ async def test_a_spoken_question_gets_a_spoken_answer_with_server_vad(voice_serv
         updated = (await events_until(ws, "session.updated"))[-1]["session"]
         assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
         events: list[dict] = []
-        speaker = asyncio.create_task(speak_into(ws, padded(said_naturally(VAD_QUESTION, 24000), 24000)))
+        speaker = asyncio.create_task(speak_into(ws, padded(said_naturally(QUESTION, 24000), 24000)))
         await events_until(ws, "response.done", collect=events)
         await speaker
     types = [e["type"] for e in events]
@@ -90,15 +91,15 @@ async def test_a_spoken_question_gets_a_spoken_answer_with_server_vad(voice_serv
     started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
     assert 0 < started["audio_start_ms"] < 700  # the speech began 0.5 s in; 300 ms of padding before it
     transcript = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
-    assert words(transcript["transcript"]) == words(VAD_QUESTION)
+    assert words(transcript["transcript"]) == words(QUESTION)
     done = events[-1]["response"]
     assert done["status"] in ("completed", "incomplete") and done["output_modalities"] == ["audio"]
     said = next(e for e in events if e["type"] == "response.output_audio_transcript.done")["transcript"]
-    assert "blue" in said.lower()
+    assert "paris" in said.lower()
     assert said == "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
     # The audio says its transcript: run it back through the recognizer.
     heard = transcribe_over_http(voice_server, answer_audio(events), 24000)
-    assert word_similarity(heard, said) > 0.8, (heard, said)
+    assert transcript_similarity(heard, said) > 0.8, (heard, said)
 
 
 async def test_manual_commit_without_vad_then_a_text_answer(voice_server):

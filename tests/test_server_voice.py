@@ -17,7 +17,7 @@ import pytest
 
 from engine.audio_formats import read_wav, write_wav
 from tests.server_harness import get_json, request
-from tests.spoken import spoken, word_similarity, words
+from tests.spoken import spoken, transcript_similarity, words
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_speech_round_trips_through_the_recognizer(client):
     samples, rate = read_wav(audio_with_length(audio))
     assert rate == 24000 and len(samples) / rate > 2.0
     transcript = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", write_wav(samples, rate)))
-    assert word_similarity(transcript.text, sentence) > 0.8, transcript.text
+    assert transcript_similarity(transcript.text, sentence) > 0.8, transcript.text
 
 
 def audio_with_length(streamed_wav: bytes) -> bytes:

@@ -174,6 +174,12 @@ class TurnDetector:
     def speaking(self) -> bool:
         return self._rule.speaking
 
+    @property
+    def silence_from_ms(self) -> int | None:
+        """Where the pause that may end the current turn began (None: speech goes on, or no
+        turn): a caller can start work on the turn before the pause is long enough to end it."""
+        return self._rule.silence_from_ms if self._rule.speaking else None
+
     def feed(self, samples16k: np.ndarray) -> list[VadEvent]:
         """Hears the next chunk (float mono at 16 kHz); returns the events of the whole
         windows it completes. What is left over waits for the next chunk, so the events do
