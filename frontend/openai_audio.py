@@ -18,14 +18,14 @@ import json
 import logging
 
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.speech_recognition import recognized_segments
-from frontend.openai_http import BodyTooLarge, error_response, read_body
+from frontend.openai_http import body_or_error, error_response
 
 logger = logging.getLogger("antiphon.frontend")
 
@@ -55,14 +55,18 @@ class AudioEndpoints:
 
     async def transcriptions(self, request: Request) -> Response:
         config = self.state.config
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return error_response(400, "send the audio as multipart/form-data with a `file` part", "invalid_request")
+        # The form's other fields need a little room beside the audio itself.
+        body = await body_or_error(request, config, config.max_audio_bytes + (64 << 10))
+        if isinstance(body, Response):
+            return body
         try:
-            form = await self._form(request, config.max_audio_bytes + (64 << 10))
+            form = await self._form(request, body)
             options = self._transcription_options(form)
             samples = await asyncio.to_thread(self._decode_upload, form, config.max_audio_seconds)
         except AudioRequestError as exc:
             return error_response(exc.status, str(exc), exc.code, exc.param)
-        except ClientDisconnect:
-            return Response(status_code=400)
         duration = len(samples) / RECOGNIZER_RATE
         if options["stream"]:
             return StreamingResponse(self._stream_transcript(samples, duration),
@@ -83,19 +87,8 @@ class AudioEndpoints:
         return JSONResponse({"task": "transcribe", "language": "english", "duration": round(duration, 3),
                              "text": text, "segments": segments, "usage": usage})
 
-    async def _form(self, request: Request, limit: int):
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise AudioRequestError("send the audio as multipart/form-data with a `file` part", code="invalid_request")
-        try:
-            async with asyncio.timeout(self.state.config.body_timeout_s):
-                body = await read_body(request, limit)
-        except BodyTooLarge:
-            raise AudioRequestError(f"request body over {limit} bytes (--max-audio-bytes)", code="request_too_large",
-                                    status=413) from None
-        except TimeoutError:
-            raise AudioRequestError(f"the body did not arrive within {self.state.config.body_timeout_s:g} s",
-                                    code="request_timeout", status=408) from None
-
+    @staticmethod
+    async def _form(request: Request, body: bytes):
         async def replay():
             return {"type": "http.request", "body": body, "more_body": False}
 
@@ -167,16 +160,9 @@ class AudioEndpoints:
 
     async def speech(self, request: Request) -> Response:
         config = self.state.config
-        try:
-            async with asyncio.timeout(config.body_timeout_s):
-                body = await read_body(request, config.max_message_bytes)
-        except BodyTooLarge:
-            return error_response(413, f"request body over {config.max_message_bytes} bytes", "request_too_large")
-        except TimeoutError:
-            return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s",
-                                  "request_timeout")
-        except ClientDisconnect:
-            return Response(status_code=400)
+        body = await body_or_error(request, config)
+        if isinstance(body, Response):
+            return body
         try:
             options = self._speech_options(body, config.max_speech_input_chars)
         except AudioRequestError as exc:

@@ -47,6 +47,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def body_or_error(request: Request, config, limit: int | None = None) -> bytes | Response:
+    """The body within the size limit (default --max-message-bytes) and --body-timeout, or
+    the error response to send instead."""
+    limit = config.max_message_bytes if limit is None else limit
+    try:
+        async with asyncio.timeout(config.body_timeout_s):
+            return await read_body(request, limit)
+    except BodyTooLarge:
+        return error_response(413, f"request body over {limit} bytes", "request_too_large")
+    except TimeoutError:
+        return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s", "request_timeout")
+    except ClientDisconnect:
+        return Response(status_code=400)
+
+
 class LeasedStreamingResponse(StreamingResponse):
     """Releases the request's lease when the response ends, even if its body never started."""
 
@@ -71,16 +86,9 @@ class ChatCompletions:
 
     async def create(self, request: Request) -> Response:
         state, config = self.state, self.state.config
-        try:
-            async with asyncio.timeout(config.body_timeout_s):
-                body_bytes = await read_body(request, config.max_message_bytes)
-        except BodyTooLarge:
-            return error_response(413, f"request body over {config.max_message_bytes} bytes", "request_too_large")
-        except TimeoutError:
-            return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s",
-                                  "request_timeout")
-        except ClientDisconnect:
-            return Response(status_code=400)
+        body_bytes = await body_or_error(request, config)
+        if isinstance(body_bytes, Response):
+            return body_bytes
         try:
             body = decode_json(body_bytes, ChatCompletionRequest, "request body")
             params = body.sampling_params(config.default_max_tokens, config.max_stop_strings)

@@ -16,7 +16,6 @@ goes on.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import copy

@@ -19,14 +19,13 @@ import json
 import logging
 import os
 import time
-import traceback
 
 import zmq
 
 from engine import protocol
 from engine.config import EngineConfig
 from engine.input_processor import to_request
-from workers.process_guard import die_with_parent, exit_on_signals
+from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.decoder")
 
@@ -168,23 +167,10 @@ def main() -> None:
     parser.add_argument("--encoder-asks")
     parser.add_argument("--embeddings")
     args = parser.parse_args()
-    die_with_parent()
-    exit_on_signals()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decoder %(levelname)s %(message)s")
+    start_worker_process("decoder")
     worker = DecoderWorker(EngineConfig(**json.loads(args.config)), args.input, args.output,
                            args.encoder_asks, args.embeddings)
-    try:
-        worker.load()
-        worker.run()
-    except SystemExit:
-        pass
-    except Exception:
-        message = traceback.format_exc()
-        logger.error("decoder failed:\n%s", message)
-        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="decoder", message=message)))
-        raise
-    finally:
-        worker.close()
+    run_worker("decoder", worker)
 
 
 if __name__ == "__main__":

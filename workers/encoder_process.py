@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-import traceback
 
 import msgspec
 import zmq
@@ -33,7 +32,7 @@ import zmq
 from engine import protocol
 from engine.array_frames import items_from_frames, tensor_frame
 from engine.config import EngineConfig, global_encoder_cache_size
-from workers.process_guard import die_with_parent, exit_on_signals
+from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.encoder")
 
@@ -249,22 +248,9 @@ def main() -> None:
     for name in ("input", "asks", "embeddings", "output"):
         parser.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
-    die_with_parent()
-    exit_on_signals()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s encoder %(levelname)s %(message)s")
+    start_worker_process("encoder")
     worker = EncoderWorker(EngineConfig(**json.loads(args.config)), args)
-    try:
-        worker.load()
-        worker.run()
-    except SystemExit:
-        pass
-    except Exception:
-        message = traceback.format_exc()
-        logger.error("encoder failed:\n%s", message)
-        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="encoder", message=message)))
-        raise
-    finally:
-        worker.close()
+    run_worker("encoder", worker)
 
 
 if __name__ == "__main__":

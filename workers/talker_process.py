@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import time
-import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ import zmq
 from engine import protocol
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
-from workers.process_guard import die_with_parent, exit_on_signals
+from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.talker")
 
@@ -197,22 +196,9 @@ def main() -> None:
     for name in ("input", "output", "speech"):
         parser.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
-    die_with_parent()
-    exit_on_signals()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s talker %(levelname)s %(message)s")
+    start_worker_process("talker")
     worker = TalkerWorker(EngineConfig(**json.loads(args.config)), args)
-    try:
-        worker.load()
-        worker.run()
-    except SystemExit:
-        pass
-    except Exception:
-        message = traceback.format_exc()
-        logger.error("talker failed:\n%s", message)
-        worker.outputs.send(protocol.encode(protocol.WorkerFailed(worker="talker", message=message)))
-        raise
-    finally:
-        worker.close()
+    run_worker("talker", worker)
 
 
 if __name__ == "__main__":
