@@ -23,10 +23,16 @@ class ImageURL(msgspec.Struct):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class InputAudio(msgspec.Struct):
+    data: str  # base64
+    format: Literal["wav", "mp3"]
+
+
 class ChatContentPart(msgspec.Struct):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
     def as_dict(self) -> dict:
         """The part as engine/chat_content.py takes it; refuses a type or a missing field."""
@@ -39,7 +45,14 @@ class ChatContentPart(msgspec.Struct):
                 raise InvalidInput("an image_url content part needs 'image_url': {'url': ...}", "invalid_value",
                                    "messages.content")
             return {"type": "image_url", "image_url": {"url": self.image_url.url}}
-        raise InvalidInput(f"content part type {self.type!r} is not supported; send text or image_url",
+        if self.type == "input_audio":
+            if self.input_audio is None:
+                raise InvalidInput("an input_audio content part needs 'input_audio': {'data': ..., 'format': 'wav'}",
+                                   "invalid_value", "messages.content")
+            # Replaced by its transcript before the chat template sees it (frontend/chat_audio.py).
+            return {"type": "input_audio", "input_audio": {"data": self.input_audio.data,
+                                                           "format": self.input_audio.format}}
+        raise InvalidInput(f"content part type {self.type!r} is not supported; send text, image_url or input_audio",
                            "unsupported_content_type", "messages.content")
 
 
@@ -59,6 +72,11 @@ class ChatMessage(msgspec.Struct):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = True
+
+
+class AudioOutput(msgspec.Struct):
+    voice: Annotated[str, msgspec.Meta(max_length=64)]  # every name speaks with the server's voice
+    format: Literal["wav", "pcm16"]
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True):
@@ -84,6 +102,17 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     # Extension, as in vLLM: the generated token ids beside the text.
     return_token_ids: bool = False
+    modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(min_length=1, max_length=2)] | None = None
+    audio: AudioOutput | None = None
+
+    def spoken_format(self) -> str | None:
+        """The answer's audio format when it is to be spoken (modalities with "audio"), else None."""
+        if not self.modalities or "audio" not in self.modalities:
+            return None
+        if self.audio is None:
+            raise InvalidInput('modalities with "audio" need "audio": {"voice": ..., "format": "wav" or "pcm16"}',
+                               "invalid_value", "audio")
+        return self.audio.format
 
     def conversation(self) -> list[dict]:
         if not self.messages:

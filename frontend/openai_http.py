@@ -9,6 +9,7 @@ disconnects mid-stream, or a client that disconnects while a plain answer is gen
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 
@@ -18,7 +19,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from frontend.admission import AdmissionRefused, RequestLease
 from frontend.chat_request import ChatCompletionRequest
 from frontend.edge_decoding import InvalidInput, decode_json
-from frontend.engine_client import EngineUnavailable
+from frontend.chat_audio import SpeechFailed, SpokenAnswer, transcribe_audio_parts
+from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.generation import TextChunk
 from frontend.limits import bearer_token, cache_salt
 
@@ -93,8 +95,22 @@ class ChatCompletions:
             body = decode_json(body_bytes, ChatCompletionRequest, "request body")
             params = body.sampling_params(config.default_max_tokens, config.max_stop_strings)
             messages = body.conversation()
+            spoken_format = body.spoken_format()
+            if spoken_format is not None and not state.engine_config.voice:
+                raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality", "modalities")
+            if spoken_format == "wav" and body.stream:
+                raise InvalidInput("streamed audio is pcm16: set audio.format to pcm16", "invalid_value",
+                                   "audio.format")
+            # Spoken parts become their transcripts (the encoder process hears them).
+            await transcribe_audio_parts(state.client, messages, state.engine_config.voice,
+                                         config.max_audio_buffer_seconds)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
+        except VoiceBusy as exc:
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
+        except EngineUnavailable as exc:
+            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
         try:
             lease = state.generation.admit(state.generation.new_request_id("chatcmpl"))
         except AdmissionRefused as exc:
@@ -104,7 +120,10 @@ class ChatCompletions:
         # From here on a client that hangs up stops its request, before or after its first token.
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         handed_over = False
+        spoken = None
         try:
+            if spoken_format is not None:
+                spoken = SpokenAnswer(state.client, lease.request_id, spoken_format)
             start = asyncio.ensure_future(self._first_chunk(lease, messages, params, salt))
             await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not start.done():
@@ -118,17 +137,24 @@ class ChatCompletions:
                 return LeasedStreamingResponse(
                     lease, self._sse(lease.request_id, first, stream, include_usage=(
                         body.stream_options.include_usage if body.stream_options else True),
-                        return_token_ids=body.return_token_ids),
+                        return_token_ids=body.return_token_ids, spoken=spoken),
                     media_type="text/event-stream")
-            return await self._complete_unless_disconnected(gone, lease.request_id, first, stream, body)
+            return await self._complete_unless_disconnected(gone, lease.request_id, first, stream, body, spoken)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
+        except VoiceBusy as exc:
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
         except EngineUnavailable as exc:
             return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        except SpeechFailed as exc:
+            return error_response(503, str(exc), "voice_unavailable", error_type="server_error")
         finally:
             gone.cancel()
             if not handed_over:
                 lease.release()
+                if spoken is not None:
+                    spoken.close()
 
     async def _first_chunk(self, lease: RequestLease, messages: list[dict], params, salt: str | None):
         generation = self.state.generation
@@ -137,7 +163,7 @@ class ChatCompletions:
         return stream, await anext(stream)
 
     async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, first: TextChunk, stream,
-                                            body: ChatCompletionRequest) -> Response:
+                                            body: ChatCompletionRequest, spoken: SpokenAnswer | None) -> Response:
         """The whole answer; if the client goes away meanwhile, generation stops at once."""
         collect = asyncio.ensure_future(_collect(first, stream))
         try:
@@ -153,8 +179,16 @@ class ChatCompletions:
         last = chunks[-1]
         if last.finish_reason == "error":
             return error_response(500, last.error or "generation failed", "engine_error", error_type="server_error")
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-                  "finish_reason": last.finish_reason, "logprobs": None}
+        text = "".join(c.text for c in chunks)
+        message = {"role": "assistant", "content": text}
+        if spoken is not None:
+            await spoken.say(text, final=True)
+            pcm = await _unless_disconnected(gone, spoken.rest())
+            if pcm is None:
+                return Response(status_code=499)
+            # As OpenAI's audio answers: the text is the audio's transcript.
+            message = {"role": "assistant", "content": None, "audio": spoken.message_audio(b"".join(pcm), text)}
+        choice = {"index": 0, "message": message, "finish_reason": last.finish_reason, "logprobs": None}
         if body.return_token_ids:  # extension, as in vLLM
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
         return JSONResponse({
@@ -162,7 +196,8 @@ class ChatCompletions:
             "model": self.state.model_name, "choices": [choice], "usage": _usage(last),
         })
 
-    async def _sse(self, request_id: str, first: TextChunk, stream, include_usage: bool, return_token_ids: bool):
+    async def _sse(self, request_id: str, first: TextChunk, stream, include_usage: bool, return_token_ids: bool,
+                   spoken: SpokenAnswer | None = None):
         created = int(time.time())
 
         def event(delta: dict, finish_reason=None) -> str:
@@ -179,7 +214,22 @@ class ChatCompletions:
                     out.append(_sse_data({"error": {"message": chunk.error, "type": "server_error",
                                                     "code": "engine_error"}}))
                     break
-                if chunk.text or (return_token_ids and chunk.token_ids):
+                if spoken is not None:
+                    # A spoken answer: its text is the audio's transcript; audio follows as made.
+                    if chunk.text:
+                        out.append(event({"audio": {"id": spoken.id, "transcript": chunk.text}}))
+                        await spoken.say(chunk.text)
+                    if chunk.finish_reason is not None:
+                        await spoken.say("", final=True)
+                    try:
+                        pieces = await spoken.rest() if chunk.finish_reason is not None else spoken.ready()
+                    except SpeechFailed as exc:
+                        out.append(_sse_data({"error": {"message": str(exc), "type": "server_error",
+                                                        "code": "voice_unavailable"}}))
+                        break
+                    out += [event({"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}})
+                            for pcm in pieces]
+                elif chunk.text or (return_token_ids and chunk.token_ids):
                     delta = {"content": chunk.text}
                     if return_token_ids:
                         delta["token_ids"] = chunk.token_ids
@@ -200,6 +250,20 @@ class ChatCompletions:
             # Runs on normal end and when the client disconnects; the stream's own cleanup
             # releases the lease (the response releases it too, in case this never ran).
             await stream.aclose()
+            if spoken is not None:
+                spoken.close()
+
+
+async def _unless_disconnected(gone: asyncio.Future, work):
+    """`work`'s result, or None if the client went away first (the work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def _collect(first: TextChunk, stream) -> list[TextChunk]:

@@ -191,3 +191,43 @@ def test_a_client_that_leaves_mid_speech_stops_its_synthesis(server):
                                          "response_format": "pcm"})
     assert status == 200 and len(audio) > 4800
     assert time.perf_counter() - started < 3.0
+
+
+def test_chat_completions_hear_input_audio_and_speak_the_answer(client):
+    import base64
+
+    from tests.spoken import said_naturally
+
+    question = base64.b64encode(write_wav(said_naturally("What is the capital of France?", 24000), 24000)).decode()
+    answer = client.chat.completions.create(
+        model="m", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}, temperature=0,
+        max_tokens=30, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": question, "format": "wav"}}]}])
+    audio = answer.choices[0].message.audio
+    assert "paris" in audio.transcript.lower()
+    samples, rate = read_wav(base64.b64decode(audio.data))
+    heard = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", write_wav(samples, rate)))
+    assert transcript_similarity(heard.text, audio.transcript) > 0.8, (heard.text, audio.transcript)
+
+
+def test_streamed_chat_audio_comes_with_its_transcript(client):
+    import base64
+
+    stream = client.chat.completions.create(
+        model="m", modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"}, temperature=0,
+        max_tokens=30, stream=True, messages=[{"role": "user", "content": "What is the capital of France?"}])
+    transcript, pcm = "", b""
+    for chunk in stream:
+        if chunk.choices and getattr(chunk.choices[0].delta, "audio", None):
+            audio = chunk.choices[0].delta.audio
+            transcript += getattr(audio, "transcript", None) or ""
+            pcm += base64.b64decode(getattr(audio, "data", None) or "")
+    assert "paris" in transcript.lower()
+    assert len(pcm) / 2 / 24000 > 0.5
+
+
+def test_streamed_chat_audio_must_be_pcm16(server):
+    status, text = request("POST", server.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "stream": True, "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "wav"}}, {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "audio.format"

@@ -1,0 +1,104 @@
+"""Voice in chat completions: `input_audio` parts become their transcripts before the chat
+template sees them, and with `modalities: ["text", "audio"]` the answer is spoken by the
+talker (its text goes to the talker as it is generated; the audio comes back as it is made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import itertools
+import time
+
+from engine.audio_formats import read_wav, resample, wav_header
+from engine.audio_windows import RECOGNIZER_RATE
+from frontend.edge_decoding import InvalidInput
+from frontend.speech_recognition import transcribe
+
+SPEECH_RATE = 24000
+_ids = itertools.count()
+
+
+async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, max_seconds: float) -> None:
+    """Replaces every input_audio part of `messages` by a text part holding its transcript."""
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, list):
+            continue
+        for index, part in enumerate(content):
+            if part["type"] != "input_audio":
+                continue
+            if not voice_on:
+                raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality",
+                                   "messages.content")
+            samples = await asyncio.to_thread(_decode_wav, part["input_audio"], max_seconds)
+            text, heard = await transcribe(client, samples)
+            if not heard:
+                raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
+                                   "messages.content")
+            content[index] = {"type": "text", "text": text}
+
+
+def _decode_wav(audio: dict, max_seconds: float):
+    if audio["format"] != "wav":
+        raise InvalidInput("this server reads input_audio in wav format only", "invalid_value", "messages.content")
+    try:
+        samples, rate = read_wav(base64.b64decode(audio["data"], validate=True))
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"input_audio is not a readable base64 WAV: {exc}", "invalid_audio",
+                           "messages.content") from None
+    if len(samples) > max_seconds * rate:
+        raise InvalidInput(f"input_audio of {len(samples) / rate:.1f} s is over the limit of {max_seconds:g} s",
+                           "audio_too_long", "messages.content")
+    return resample(samples, rate, RECOGNIZER_RATE)
+
+
+class SpokenAnswer:
+    """One chat answer spoken by the talker: `say` its text as it comes, `ready` / `rest` its
+    audio as 16-bit PCM at 24 kHz, `close` when done (stops the talker if it is not)."""
+
+    def __init__(self, client, request_id: str, audio_format: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.audio_format = audio_format
+        self.id = f"audio_{next(_ids)}_{int(time.time())}"
+        self.queue = client.open_speech(request_id)  # raises EngineUnavailable / VoiceBusy
+        self.ended = False
+
+    async def say(self, text: str, final: bool = False) -> None:
+        await self.client.speak(self.request_id, text, final=final, sample_rate=SPEECH_RATE)
+
+    def ready(self) -> list[bytes]:
+        """The audio made so far and not yet taken."""
+        pieces = []
+        while not self.ended and not self.queue.empty():
+            pieces += self._take(self.queue.get_nowait())
+        return pieces
+
+    async def rest(self) -> list[bytes]:
+        """Every remaining piece, once the talker has spoken the whole answer."""
+        pieces = self.ready()
+        while not self.ended:
+            pieces += self._take(await self.queue.get())
+        return pieces
+
+    def _take(self, piece) -> list[bytes]:
+        header, pcm = piece
+        if header.error is not None:
+            self.ended = True
+            raise SpeechFailed(header.error)
+        self.ended = header.final
+        return [pcm] if pcm else []
+
+    def message_audio(self, pcm: bytes, transcript: str) -> dict:
+        data = wav_header(SPEECH_RATE, len(pcm)) + pcm if self.audio_format == "wav" else pcm
+        return {"id": self.id, "data": base64.b64encode(data).decode(), "expires_at": int(time.time()) + 3600,
+                "transcript": transcript}
+
+    def close(self) -> None:
+        self.client.cancel_speech(self.request_id)
+
+
+class SpeechFailed(RuntimeError):
+    """The talker failed while speaking the answer."""
