@@ -12,6 +12,18 @@ continues it. `response.cancel()` stops a response early. A message's content is
 a list of parts: text, and images as `image_part(path or bytes)` (sent inline as data URLs):
 
     await client.create_response([{"role": "user", "content": [image_part("cat.jpg"), "What is this?"]}])
+
+Voice (24 kHz 16-bit mono PCM both ways): send audio with `append_audio` (server VAD finds
+the turns and starts the answers: `await client.next_response()`), or `commit_audio()` then
+`create_response(output_modalities=["audio"])`; iterate `response.audio_chunks()` for the
+answer's audio as it is made (and the response itself for its transcript):
+
+    await client.update_session(output_modalities=["audio"])
+    await client.append_audio(pcm)                   # the user's question, in chunks as it comes
+    response = await client.next_response()          # started by the server's VAD
+    async for chunk in response.audio_chunks():
+        play(chunk)
+    print(client.transcripts.get_nowait(), "->", response.text)
 """
 
 from __future__ import annotations
@@ -36,6 +48,14 @@ def image_part(image: str | Path | bytes, mime_type: str | None = None) -> dict:
     return {"type": "input_image", "image_url": url}
 
 
+def audio_part(pcm16: bytes) -> dict:
+    """An `input_audio` content part: 16-bit mono PCM in the session's input format (24 kHz)."""
+    return {"type": "input_audio", "audio": base64.b64encode(pcm16).decode()}
+
+
+TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.delta")
+
+
 class RealtimeError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
@@ -45,12 +65,15 @@ class RealtimeError(Exception):
 
 
 class Response:
-    """One streaming response: iterate it for text deltas; `text`, `status`, `usage` when done."""
+    """One streaming response: iterate it for text deltas (a spoken answer's transcript), or
+    `audio_chunks()` for its audio; `text`, `audio`, `status`, `usage` when done."""
 
     def __init__(self, client: "RealtimeClient") -> None:
         self.client = client
         self.id: str | None = None
         self.text = ""
+        self.audio = bytearray()
+        self._audio: asyncio.Queue = asyncio.Queue()
         self.status: str | None = None
         self.usage: dict | None = None
         self.raw: dict | None = None
@@ -65,10 +88,20 @@ class Response:
             event = await self._events.get()
             if isinstance(event, Exception):
                 raise event
-            if event["type"] == "response.output_text.delta":
+            if event["type"] in TEXT_DELTAS:
                 yield event["delta"]
             elif event["type"] == "response.done":
                 return
+
+    async def audio_chunks(self):
+        """The answer's audio (16-bit PCM in the session's output format) as it arrives."""
+        while True:
+            chunk = await self._audio.get()
+            if isinstance(chunk, Exception):
+                raise chunk
+            if chunk is None:
+                return
+            yield chunk
 
     async def wait(self) -> "Response":
         async for _ in self:
@@ -80,13 +113,23 @@ class Response:
         await self.client.send({"type": "response.cancel", "response_id": self.id})
 
     def _deliver(self, event: dict) -> None:
-        if event["type"] == "response.output_text.delta":
+        if event["type"] in TEXT_DELTAS:
             self.text += event["delta"]
+        elif event["type"] == "response.output_audio.delta":
+            chunk = base64.b64decode(event["delta"])
+            self.audio += chunk
+            self._audio.put_nowait(chunk)
+            return
         elif event["type"] == "response.done":
             self.raw = event["response"]
             self.status = self.raw["status"]
             self.usage = self.raw.get("usage")
+            self._audio.put_nowait(None)
         self._events.put_nowait(event)
+
+    def _fail(self, exc: Exception) -> None:
+        self._events.put_nowait(exc)
+        self._audio.put_nowait(exc)
 
 
 class RealtimeClient:
@@ -105,6 +148,9 @@ class RealtimeClient:
         self._by_event_id: dict[str, object] = {}
         self._responses: dict[str, Response] = {}
         self.errors: asyncio.Queue = asyncio.Queue()
+        # Voice: responses the server started (server VAD), and the user's turns as heard.
+        self.server_responses: asyncio.Queue = asyncio.Queue()
+        self.transcripts: asyncio.Queue = asyncio.Queue()
 
     async def __aenter__(self) -> "RealtimeClient":
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
@@ -147,6 +193,23 @@ class RealtimeClient:
         await self.send({"type": "conversation.item.create",
                          "item": {"type": "message", "role": role, "content": parts}})
 
+    async def append_audio(self, pcm16: bytes, chunk_bytes: int = 4800) -> None:
+        """Sends audio to the input buffer in chunks (4800 bytes: 100 ms at 24 kHz)."""
+        for start in range(0, len(pcm16), chunk_bytes):
+            await self.send({"type": "input_audio_buffer.append",
+                             "audio": base64.b64encode(pcm16[start:start + chunk_bytes]).decode()})
+
+    async def commit_audio(self) -> None:
+        """Ends the user's turn by hand (sessions with `turn_detection: None`)."""
+        await self.send({"type": "input_audio_buffer.commit"})
+
+    async def clear_audio(self) -> None:
+        await self.send({"type": "input_audio_buffer.clear"})
+
+    async def next_response(self) -> Response:
+        """The next response the server started on its own (server VAD heard a turn end)."""
+        return await self.server_responses.get()
+
     async def create_response(self, messages: list[dict] | None = None, **options) -> Response:
         """Add `messages` ({"role", "content"}) to the conversation, then start a response."""
         for message in messages or []:
@@ -169,14 +232,18 @@ class RealtimeClient:
         for response in list(self._responses.values()) + list(self._pending_creates):
             if not response.created.done():
                 response.created.set_exception(closed)
-            response._events.put_nowait(closed)
+            response._fail(closed)
 
     def _dispatch(self, event: dict) -> None:
         kind = event["type"]
         if kind == "session.updated" and self._pending_session:
             self._pending_session.popleft().set_result(event["session"])
         elif kind == "response.created":
-            response = self._pending_creates.popleft()
+            if self._pending_creates:
+                response = self._pending_creates.popleft()
+            else:  # started by the server's VAD, not by us
+                response = Response(self)
+                self.server_responses.put_nowait(response)
             response.id = event["response"]["id"]
             self._responses[response.id] = response
             response.created.set_result(response.id)
@@ -187,6 +254,8 @@ class RealtimeClient:
                 response._deliver(event)
                 if kind == "response.done":
                     del self._responses[response_id]
+        elif kind == "conversation.item.input_audio_transcription.completed":
+            self.transcripts.put_nowait(event["transcript"])
         elif kind == "error":
             self._on_error(event["error"])
 

@@ -244,3 +244,19 @@ async def test_an_open_microphone_between_turns_never_fills_the_buffer(voice_ser
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}})
         events = await events_until(ws, "conversation.item.added")
         assert "error" not in [e["type"] for e in events], events
+
+
+async def test_the_sdk_sends_audio_and_iterates_the_spoken_answer(voice_server):
+    from frontend.client import RealtimeClient
+
+    question = encode_audio(padded(said_naturally(QUESTION, 24000), 24000), "audio/pcm")
+    async with RealtimeClient(voice_server.ws_url) as client:
+        await client.update_session(output_modalities=["audio"], max_output_tokens=30, temperature=0)
+        await client.append_audio(question)  # faster than real time: fine, VAD hears the stream
+        response = await asyncio.wait_for(client.next_response(), 60)
+        chunks = [chunk async for chunk in response.audio_chunks()]
+        await response.wait()
+        heard = client.transcripts.get_nowait()
+    assert words(heard) == words(QUESTION)
+    assert "paris" in response.text.lower() and response.status in ("completed", "incomplete")
+    assert len(chunks) >= 1 and b"".join(chunks) == bytes(response.audio) and len(response.audio) > 24000
