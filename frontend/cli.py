@@ -143,6 +143,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-transcriptions", type=int, default=16,
                        help="clips (30 s windows) recognized or queued at once, server-wide")
     group.add_argument("--max-spoken-answers", type=int, default=16, help="answers spoken at once, server-wide")
+    group.add_argument("--max-audio-speedup", type=float, default=4.0,
+                       help="seconds of audio a Realtime session may append per second (bursts of 30 s)")
     group.add_argument("--ws-compression", action="store_true",
                        help="accept permessage-deflate on WebSockets (off: compressing every small event "
                             "costs CPU on both ends and delays tokens)")
@@ -210,7 +212,7 @@ def _serve(args) -> int:
             worker_timeout_s=args.worker_timeout_s, max_audio_bytes=args.max_audio_bytes,
             max_audio_seconds=args.max_audio_seconds, max_speech_input_chars=args.max_speech_input_chars,
             max_audio_buffer_seconds=args.max_audio_buffer_seconds, max_transcriptions=args.max_transcriptions,
-            max_spoken_answers=args.max_spoken_answers)
+            max_spoken_answers=args.max_spoken_answers, max_audio_speedup=args.max_audio_speedup)
         server_config.media_limits()
     except ValueError as exc:
         print(f"antiphon: {exc}", file=sys.stderr)

@@ -81,21 +81,22 @@ def origin_allowed(config: ServerConfig, origin: str | None, host_header: str | 
 
 
 class EventRate:
-    """Token bucket over one connection's messages: `rate` per second, bursts up to 2x."""
+    """Token bucket over one connection's messages: `rate` per second, bursts up to 2x (or
+    `capacity`). `allow(cost)` takes `cost` tokens: seconds of audio, for the audio rate."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, capacity: float | None = None) -> None:
         self.rate = rate
-        self.capacity = 2 * rate
+        self.capacity = 2 * rate if capacity is None else capacity
         self.tokens = self.capacity
         self.updated = time.monotonic()
 
-    def allow(self) -> bool:
+    def allow(self, cost: float = 1.0) -> bool:
         now = time.monotonic()
         self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
-        if self.tokens < 1:
+        if self.tokens < cost:
             return False
-        self.tokens -= 1
+        self.tokens -= cost
         return True
 
 

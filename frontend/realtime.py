@@ -50,6 +50,10 @@ from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, Item
 logger = logging.getLogger("antiphon.realtime")
 
 
+# Seconds of audio a session may send at once, past its --max-audio-speedup rate.
+AUDIO_BURST_S = 30.0
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
@@ -85,6 +89,7 @@ class RealtimeSession:
         self.conversation_response: str | None = None
         self.last_activity = time.monotonic()
         self.rate = EventRate(self.config.max_events_per_second)
+        self.audio_rate = EventRate(self.config.max_audio_speedup, capacity=AUDIO_BURST_S)
         self.send_lock = asyncio.Lock()
         # Event ids go out with every token: the session's random id plus a counter is as
         # unique as a fresh uuid4 per event, without a urandom call on the hot path.
@@ -243,6 +248,9 @@ class RealtimeSession:
         self._require_voice("audio")
         settings = self.session["audio"]["input"]
         samples = decode_client_audio(event.audio, settings["format"]["type"], "audio")
+        if not self.audio_rate.allow(len(samples) / settings["format"]["rate"]):
+            raise InvalidInput(f"audio sent faster than {self.config.max_audio_speedup:g}x real time "
+                               "(--max-audio-speedup); this chunk was dropped", "rate_limit_exceeded", "audio")
         detection = settings["turn_detection"]
         if detection is not None and self.speech_item_id is None:
             # Between turns only the coming turn's prefix padding can be committed.

@@ -75,6 +75,9 @@ class ServerConfig:
     # past either, 429 / `voice_busy`.
     max_transcriptions: int = 16
     max_spoken_answers: int = 16
+    # Audio a Realtime session may append, in seconds of audio per second (bursts of 30 s):
+    # real-time clients send 1; more lets one session keep the VAD busy for everyone.
+    max_audio_speedup: float = 4.0
 
     def media_limits(self):
         """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
@@ -89,7 +92,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",
                      "max_speech_input_chars", "max_audio_buffer_seconds",
-                     "max_transcriptions", "max_spoken_answers"):
+                     "max_transcriptions", "max_spoken_answers", "max_audio_speedup"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",

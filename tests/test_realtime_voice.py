@@ -260,3 +260,13 @@ async def test_the_sdk_sends_audio_and_iterates_the_spoken_answer(voice_server):
     assert words(heard) == words(QUESTION)
     assert "paris" in response.text.lower() and response.status in ("completed", "incomplete")
     assert len(chunks) >= 1 and b"".join(chunks) == bytes(response.audio) and len(response.audio) > 24000
+
+
+async def test_audio_sent_much_faster_than_real_time_is_refused(voice_server):
+    async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
+        await events_until(ws, "session.created")  # server VAD: the buffer never fills with silence
+        second = base64.b64encode(np.zeros(24000, "<i2").tobytes()).decode()
+        for _ in range(40):  # a 30 s burst, then at most 4 s of audio per second
+            await send(ws, {"type": "input_audio_buffer.append", "audio": second})
+        error = (await events_until(ws, "error"))[-1]["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["param"] == "audio"
