@@ -10,6 +10,7 @@ import base64
 import binascii
 import itertools
 import time
+from collections import OrderedDict
 
 from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
@@ -18,6 +19,20 @@ from frontend.speech_recognition import transcribe
 
 SPEECH_RATE = 24000
 _ids = itertools.count()
+# Transcripts of spoken answers by audio id, for a client that sends an answer back as
+# {"role": "assistant", "audio": {"id": ...}} (the OpenAI multi-turn pattern). Bounded.
+TRANSCRIPTS_REMEMBERED = 4096
+_transcripts: OrderedDict[str, str] = OrderedDict()
+
+
+def remember_transcript(audio_id: str, transcript: str) -> None:
+    _transcripts[audio_id] = transcript
+    while len(_transcripts) > TRANSCRIPTS_REMEMBERED:
+        _transcripts.popitem(last=False)
+
+
+def transcript_of(audio_id: str) -> str | None:
+    return _transcripts.get(audio_id)
 
 
 async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, max_seconds: float) -> None:
@@ -75,6 +90,10 @@ class SpokenAnswer:
         while not self.ended and not self.queue.empty():
             pieces += self._take(self.queue.get_nowait())
         return pieces
+
+    async def next_pieces(self) -> list[bytes]:
+        """Waits for the next piece (an empty list when it carried no audio)."""
+        return self._take(await self.queue.get()) if not self.ended else []
 
     async def rest(self) -> list[bytes]:
         """Every remaining piece, once the talker has spoken the whole answer."""

@@ -56,13 +56,29 @@ class ChatContentPart(msgspec.Struct):
                            "unsupported_content_type", "messages.content")
 
 
+class AssistantAudio(msgspec.Struct):
+    """A spoken answer sent back in the conversation: its text is its transcript."""
+
+    id: Annotated[str, msgspec.Meta(max_length=128)]
+    transcript: str | None = None
+
+
 class ChatMessage(msgspec.Struct):
     role: Role
     content: str | Annotated[list[ChatContentPart], msgspec.Meta(max_length=4096)] | None = None
     name: str | None = None
+    audio: AssistantAudio | None = None
 
     def content_for_template(self) -> str | list[dict]:
         """A string, or the parts as dicts (text and images); bad parts are a clear error."""
+        if self.content is None and self.audio is not None and self.role == "assistant":
+            from frontend.chat_audio import transcript_of
+
+            transcript = self.audio.transcript or transcript_of(self.audio.id)
+            if transcript is None:
+                raise InvalidInput(f"no spoken answer with audio id {self.audio.id!r} is known here (give its "
+                                   "transcript as content)", "audio_expired", "messages.audio")
+            return transcript
         if self.content is None:
             raise InvalidInput("a message needs content", "invalid_message", "messages.content")
         if isinstance(self.content, str):

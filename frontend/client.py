@@ -208,7 +208,11 @@ class RealtimeClient:
 
     async def next_response(self) -> Response:
         """The next response the server started on its own (server VAD heard a turn end)."""
-        return await self.server_responses.get()
+        response = await self.server_responses.get()
+        if isinstance(response, Exception):
+            self.server_responses.put_nowait(response)  # every later call learns it too
+            raise response
+        return response
 
     async def create_response(self, messages: list[dict] | None = None, **options) -> Response:
         """Add `messages` ({"role", "content"}) to the conversation, then start a response."""
@@ -233,6 +237,7 @@ class RealtimeClient:
             if not response.created.done():
                 response.created.set_exception(closed)
             response._fail(closed)
+        self.server_responses.put_nowait(closed)
 
     def _dispatch(self, event: dict) -> None:
         kind = event["type"]

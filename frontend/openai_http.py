@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from frontend.admission import AdmissionRefused, RequestLease
 from frontend.chat_request import ChatCompletionRequest
 from frontend.edge_decoding import InvalidInput, decode_json
-from frontend.chat_audio import SpeechFailed, SpokenAnswer, transcribe_audio_parts
+from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
 from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.generation import TextChunk
 from frontend.limits import bearer_token, cache_salt
@@ -67,15 +67,18 @@ async def body_or_error(request: Request, config, limit: int | None = None) -> b
 class LeasedStreamingResponse(StreamingResponse):
     """Releases the request's lease when the response ends, even if its body never started."""
 
-    def __init__(self, lease: RequestLease, content, **kwargs) -> None:
+    def __init__(self, lease: RequestLease, content, on_close=None, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self.lease = lease
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.lease.release()
+            if self.on_close is not None:
+                self.on_close()  # e.g. a spoken answer's talker work, if the body never started
 
 
 class ChatCompletions:
@@ -138,7 +141,7 @@ class ChatCompletions:
                     lease, self._sse(lease.request_id, first, stream, include_usage=(
                         body.stream_options.include_usage if body.stream_options else True),
                         return_token_ids=body.return_token_ids, spoken=spoken),
-                    media_type="text/event-stream")
+                    on_close=spoken.close if spoken is not None else None, media_type="text/event-stream")
             return await self._complete_unless_disconnected(gone, lease.request_id, first, stream, body, spoken)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
@@ -188,6 +191,7 @@ class ChatCompletions:
                 return Response(status_code=499)
             # As OpenAI's audio answers: the text is the audio's transcript.
             message = {"role": "assistant", "content": None, "audio": spoken.message_audio(b"".join(pcm), text)}
+            remember_transcript(message["audio"]["id"], text)
         choice = {"index": 0, "message": message, "finish_reason": last.finish_reason, "logprobs": None}
         if body.return_token_ids:  # extension, as in vLLM
             choice["token_ids"] = [t for c in chunks for t in c.token_ids]
@@ -216,19 +220,23 @@ class ChatCompletions:
                     break
                 if spoken is not None:
                     # A spoken answer: its text is the audio's transcript; audio follows as made.
-                    if chunk.text:
-                        out.append(event({"audio": {"id": spoken.id, "transcript": chunk.text}}))
-                        await spoken.say(chunk.text)
-                    if chunk.finish_reason is not None:
-                        await spoken.say("", final=True)
                     try:
-                        pieces = await spoken.rest() if chunk.finish_reason is not None else spoken.ready()
-                    except SpeechFailed as exc:
+                        if chunk.text:
+                            out.append(event({"audio": {"id": spoken.id, "transcript": chunk.text}}))
+                            await spoken.say(chunk.text)
+                        out += [event({"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}})
+                                for pcm in spoken.ready()]
+                        if chunk.finish_reason is not None:
+                            await spoken.say("", final=True)
+                            # The rest of the audio, each piece as soon as it is made.
+                            while not spoken.ended:
+                                yield "".join(out)
+                                out = [event({"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}})
+                                       for pcm in await spoken.next_pieces()]
+                    except (SpeechFailed, EngineUnavailable) as exc:
                         out.append(_sse_data({"error": {"message": str(exc), "type": "server_error",
                                                         "code": "voice_unavailable"}}))
                         break
-                    out += [event({"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}})
-                            for pcm in pieces]
                 elif chunk.text or (return_token_ids and chunk.token_ids):
                     delta = {"content": chunk.text}
                     if return_token_ids:
@@ -249,9 +257,9 @@ class ChatCompletions:
         finally:
             # Runs on normal end and when the client disconnects; the stream's own cleanup
             # releases the lease (the response releases it too, in case this never ran).
-            await stream.aclose()
             if spoken is not None:
                 spoken.close()
+            await stream.aclose()
 
 
 async def _unless_disconnected(gone: asyncio.Future, work):

@@ -52,6 +52,9 @@ logger = logging.getLogger("antiphon.realtime")
 
 # Seconds of audio a session may send at once, past its --max-audio-speedup rate.
 AUDIO_BURST_S = 30.0
+# Recognition of a turn starts this long before its pause would end it: about what Whisper
+# takes for a short question here, so the transcript is ready as the turn ends.
+EARLY_LEAD_MS = 250
 
 
 def new_id(prefix: str) -> str:
@@ -248,7 +251,11 @@ class RealtimeSession:
         self._require_voice("audio")
         settings = self.session["audio"]["input"]
         samples = decode_client_audio(event.audio, settings["format"]["type"], "audio")
-        if not self.audio_rate.allow(len(samples) / settings["format"]["rate"]):
+        seconds = len(samples) / settings["format"]["rate"]
+        if seconds > AUDIO_BURST_S:
+            raise InvalidInput(f"one append carries at most {AUDIO_BURST_S:g} s of audio; send it in chunks",
+                               "audio_chunk_too_large", "audio")
+        if not self.audio_rate.allow(seconds):
             raise InvalidInput(f"audio sent faster than {self.config.max_audio_speedup:g}x real time "
                                "(--max-audio-speedup); this chunk was dropped", "rate_limit_exceeded", "audio")
         detection = settings["turn_detection"]
@@ -289,9 +296,15 @@ class RealtimeSession:
         if pause is None or self.speech_item_id is None:
             self._drop_early_transcript()
             return
-        key = (self.speech_item_id, pause)
-        if self.early_transcript is not None and self.early_transcript[0] == key:
+        # Not at every gap between words: only a pause already close to ending the turn, and
+        # one attempt at a time per session (the encoder finishes what it started anyway).
+        lead = max(0, self.session["audio"]["input"]["turn_detection"]["silence_duration_ms"] - EARLY_LEAD_MS)
+        if detector.position_ms - pause < lead:
             return
+        key = (self.speech_item_id, pause)
+        if self.early_transcript is not None:
+            if self.early_transcript[0] == key or not self.early_transcript[1].done():
+                return
         self._drop_early_transcript()
         audio = self.audio_buffer.peek(self.speech_start_ms)
         self.early_transcript = (key, asyncio.create_task(transcribe(self.state.client, audio)))
@@ -347,6 +360,14 @@ class RealtimeSession:
                       client_event_id: str | None, early: asyncio.Task | None = None) -> None:
         """The buffered turn becomes a user item; its transcript is its text (`early`: its
         recognition, started when the pause that ended it began)."""
+        try:
+            await self._commit_turn(item_id, from_ms, create_response, client_event_id, early)
+        finally:
+            if early is not None and not early.done():
+                early.cancel()  # the turn failed before its early transcript was taken
+
+    async def _commit_turn(self, item_id: str, from_ms: int | None, create_response: bool,
+                           client_event_id: str | None, early: asyncio.Task | None) -> None:
         audio = self.audio_buffer.take(from_ms)
         if from_ms is None:
             self._reset_turn()  # a manual commit mid-speech starts the next turn afresh
@@ -363,7 +384,14 @@ class RealtimeSession:
         reporting = self.session["audio"]["input"]["transcription"] is not None
         failure = None
         try:
-            text, heard = await (early if early is not None else transcribe(self.state.client, audio))
+            text, heard = None, False
+            if early is not None:
+                try:
+                    text, heard = await early
+                except EngineUnavailable:
+                    pass  # the early attempt failed (busy, or the encoder restarted): once more
+            if text is None:
+                text, heard = await transcribe(self.state.client, audio)
             if not heard:
                 failure = ("input_audio_no_speech", "no speech was heard in the committed audio")
         except EngineUnavailable as exc:

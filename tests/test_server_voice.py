@@ -208,6 +208,12 @@ def test_chat_completions_hear_input_audio_and_speak_the_answer(client):
     samples, rate = read_wav(base64.b64decode(audio.data))
     heard = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", write_wav(samples, rate)))
     assert transcript_similarity(heard.text, audio.transcript) > 0.8, (heard.text, audio.transcript)
+    # The next turn sends the spoken answer back by its id, as OpenAI's clients do.
+    again = client.chat.completions.create(model="m", temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "audio": {"id": audio.id}},
+        {"role": "user", "content": "Say it once more."}])
+    assert again.choices[0].message.content
 
 
 def test_streamed_chat_audio_comes_with_its_transcript(client):
