@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 import uuid
 
@@ -50,6 +51,7 @@ from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, Item
 logger = logging.getLogger("antiphon.realtime")
 
 
+AUDIO_MS_PER_TOKEN = 100
 # Seconds of audio a session may send at once, past its --max-audio-speedup rate.
 AUDIO_BURST_S = 30.0
 # Recognition of a turn starts this long before its pause would end it: about what Whisper
@@ -81,6 +83,8 @@ class RealtimeSession:
         self.speech_item_id: str | None = None
         self.speech_start_ms: int | None = None
         self.spoken: dict[str, list[tuple[str, float]]] = {}
+        # How much audio each user item was, in ms: usage counts it.
+        self.heard_ms: dict[str, float] = {}
         # The turn's recognition started early, when a pause began: ((item id, pause start), task).
         self.early_transcript: tuple[tuple[str, int], asyncio.Task] | None = None
         # The conversation, in order, by item id, and the bytes of its text and instructions.
@@ -191,16 +195,19 @@ class RealtimeSession:
         previous = event.previous_item_id
         if previous is not None and previous != "root" and previous not in self.items:
             raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
+        heard_ms = 0.0
         # Recognized only once the cheap checks pass (a session's events are handled one at
         # a time, so they still hold after it).
         if any(part["type"] == "input_audio" for part in item["content"]):
-            await self._transcribe_parts(item)
+            heard_ms = await self._transcribe_parts(item)
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
                                "of text (instructions included); delete some items with conversation.item.delete",
                                "conversation_full", "item")
         self.items = _insert_after(self.items, item, previous)
+        if heard_ms:
+            self.heard_ms[item["id"]] = heard_ms
         self.conversation_bytes += size
         await self.send({"type": "conversation.item.added", "previous_item_id": _previous_id(self.items, item["id"]),
                          "item": item})
@@ -210,6 +217,7 @@ class RealtimeSession:
         if item is None:
             raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
         self.spoken.pop(event.item_id, None)
+        self.heard_ms.pop(event.item_id, None)
         self.conversation_bytes -= _item_bytes(item)
         await self.send({"type": "conversation.item.deleted", "item_id": event.item_id})
 
@@ -407,6 +415,7 @@ class RealtimeSession:
             raise InvalidInput(message, code)
         item["content"][0]["transcript"] = text
         self.conversation_bytes += _text_bytes(text)
+        self.heard_ms[item_id] = 1000 * len(audio) / 16000
         if reporting:
             usage = {"type": "duration", "seconds": round(len(audio) / 16000, 3)}
             await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
@@ -416,13 +425,14 @@ class RealtimeSession:
         if create_response and item_id in self.items:
             await self.on_response_create(ResponseCreate(event_id=client_event_id))
 
-    async def _transcribe_parts(self, item: dict) -> None:
+    async def _transcribe_parts(self, item: dict) -> float:
         """conversation.item.create with input_audio parts: each part's transcript is its text
-        (the audio itself is not kept)."""
+        (the audio itself is not kept). Returns the audio's length in ms."""
         from engine.audio_formats import resample
 
         self._require_voice("item.content")
         audio_format = self.session["audio"]["input"]["format"]
+        heard_ms = 0.0
         for part in item["content"]:
             if part["type"] != "input_audio":
                 continue
@@ -438,6 +448,8 @@ class RealtimeSession:
                 raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
                                    "item.content")
             part["transcript"] = text
+            heard_ms += 1000 * len(samples) / audio_format["rate"]
+        return heard_ms
 
     async def on_response_create(self, event: ResponseCreate) -> None:
         options = event.response
@@ -475,7 +487,9 @@ class RealtimeSession:
             lease.release()
             raise
         response_id = lease.request_id
-        task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id, audio_out))
+        heard_ms = sum(self.heard_ms.get(i["id"], 0.0) for i in items)
+        task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id, audio_out,
+                                                 heard_ms))
         # Bookkeeping that must happen however the task ends, even if it is cancelled
         # before it starts (a response.cancel right behind the response.create).
         lease.bind(task)
@@ -522,7 +536,8 @@ class RealtimeSession:
     # ---- one response ---------------------------------------------------------------------
 
     async def _respond(self, lease: RequestLease, prompt: list[int], params: SamplingParams,
-                       in_conversation: bool, client_event_id: str | None, audio_out: dict | None = None) -> None:
+                       in_conversation: bool, client_event_id: str | None, audio_out: dict | None = None,
+                       heard_ms: float = 0.0) -> None:
         response_id = lease.request_id
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
@@ -644,8 +659,10 @@ class RealtimeSession:
                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
                     "input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens,
                     "input_token_details": {"cached_tokens": last.num_cached_tokens,
-                                            "text_tokens": last.num_prompt_tokens, "audio_tokens": 0},
-                    "output_token_details": {"text_tokens": last.num_output_tokens, "audio_tokens": 0},
+                                            "text_tokens": last.num_prompt_tokens,
+                                            "audio_tokens": _audio_tokens(heard_ms)},
+                    "output_token_details": {"text_tokens": last.num_output_tokens,
+                                             "audio_tokens": _audio_tokens(sum(ms for _, ms in clauses))},
                 }
             if opened == 0:
                 # Cancelled before it was announced (a response.cancel right behind the
@@ -705,6 +722,7 @@ class RealtimeSession:
             oldest = next(iter(self.items))
             self.conversation_bytes -= _item_bytes(self.items.pop(oldest))
             self.spoken.pop(oldest, None)
+            self.heard_ms.pop(oldest, None)
             evicted.append(oldest)
         self.items[item["id"]] = item
         self.conversation_bytes += size
@@ -787,6 +805,12 @@ def _item_content(item: dict) -> str | list[dict]:
         return [part if part["type"] == "input_image" else {"type": "input_text", "text": _part_text(part)}
                 for part in item["content"]]
     return "".join(_part_text(part) for part in item["content"])
+
+
+def _audio_tokens(ms: float) -> int:
+    """Audio in usage: one token per 100 ms. The language model itself reads the audio's
+    transcript, counted in text_tokens; this meters the audio heard and spoken."""
+    return math.ceil(ms / AUDIO_MS_PER_TOKEN)
 
 
 def _part_text(part: dict) -> str:

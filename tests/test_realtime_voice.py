@@ -94,6 +94,10 @@ async def test_a_spoken_question_gets_a_spoken_answer_with_server_vad(voice_serv
     assert words(transcript["transcript"]) == words(QUESTION)
     done = events[-1]["response"]
     assert done["status"] in ("completed", "incomplete") and done["output_modalities"] == ["audio"]
+    # Usage meters the audio: one token per 100 ms heard (the turn) and spoken (the answer).
+    audio_tokens_out = done["usage"]["output_token_details"]["audio_tokens"]
+    assert abs(audio_tokens_out - len(answer_audio(events)) / 2400) <= 1
+    assert 15 <= done["usage"]["input_token_details"]["audio_tokens"] <= 40
     said = next(e for e in events if e["type"] == "response.output_audio_transcript.done")["transcript"]
     assert "paris" in said.lower()
     assert said == "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
@@ -270,3 +274,20 @@ async def test_audio_sent_much_faster_than_real_time_is_refused(voice_server):
             await send(ws, {"type": "input_audio_buffer.append", "audio": second})
         error = (await events_until(ws, "error"))[-1]["error"]
         assert error["code"] == "rate_limit_exceeded" and error["param"] == "audio"
+
+
+async def test_an_input_audio_item_is_heard_and_answered(voice_server):
+    audio = base64.b64encode(encode_audio(padded(said_naturally(QUESTION, 24000), 24000), "audio/pcm")).decode()
+    async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
+        await events_until(ws, "session.created")
+        await send(ws, {"type": "session.update", "session": {"max_output_tokens": 20, "temperature": 0}})
+        await events_until(ws, "session.updated")
+        await send(ws, {"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}})
+        added = (await events_until(ws, "conversation.item.added"))[-1]["item"]
+        assert words(added["content"][0]["transcript"]) == words(QUESTION) and "audio" not in added["content"][0]
+        await send(ws, {"type": "response.create"})
+        events = await events_until(ws, "response.done")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert "paris" in answer.lower()
+    assert events[-1]["response"]["usage"]["input_token_details"]["audio_tokens"] >= 20  # 2.9 s of audio
