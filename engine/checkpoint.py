@@ -78,14 +78,19 @@ def _token_ids(value) -> list[int]:
 
 
 def ensure_default_model() -> Path:
-    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return converted_once(DEFAULT_MODEL_NAME, _convert_default_model)
+
+
+def converted_once(name: str, convert) -> Path:
+    """The cached model folder `name`, made by `convert(target)` on first use."""
+    target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (test workers, actors) may race to convert: one does, the rest wait.
-    with file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with file_lock(target.parent / f".{name}.lock"):
         if not (target / "config.json").is_file():
-            _convert_default_model(target)
+            convert(target)
     return target
 
 

@@ -2,21 +2,12 @@
 // Usage: node chat_page.mjs URL MESSAGE SCREENSHOT_PATH [IMAGE_PATH]
 // Prints one JSON line: the answer's text, what the page showed while streaming, the panel,
 // and how many images the user's message shows (IMAGE_PATH is attached with the Image button).
-import { chromium } from "playwright-core";
+import { launchChromium, openChatPage } from "./launch.mjs";
 
 const [url, message, screenshot, image] = process.argv.slice(2);
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  // This machine has no network beyond loopback: keep Chromium from reaching out.
-  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"],
-});
+const browser = await launchChromium();
 try {
-  const page = await browser.newPage();
-  const consoleErrors = [];
-  page.on("console", (m) => { if (m.type() === "error") consoleErrors.push(m.text()); });
-  await page.goto(url);
-  await page.waitForSelector(".status.connected");
+  const { page, consoleErrors } = await openChatPage(browser, url);
   await page.fill("#temperature", "0");
   await page.fill("#max-tokens", "40");
   // Record every text the assistant bubble shows, from inside the page: polling from here

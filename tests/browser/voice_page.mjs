@@ -4,22 +4,14 @@
 // Usage: node voice_page.mjs URL QUESTION_WAV SCREENSHOT_PATH
 // Prints one JSON line: the user's transcript, the answer's text, the answer's audio bytes
 // the page scheduled for playback, errors shown and console errors.
-import { chromium } from "playwright-core";
+import { launchChromium, openChatPage } from "./launch.mjs";
 
 const [url, questionWav, screenshot] = process.argv.slice(2);
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--autoplay-policy=no-user-gesture-required",
-         "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-         `--use-file-for-fake-audio-capture=${questionWav}%noloop`],
-});
+const browser = await launchChromium([
+  "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+  `--use-file-for-fake-audio-capture=${questionWav}%noloop`]);
 try {
-  const page = await browser.newPage();
-  const consoleErrors = [];
-  page.on("console", (m) => { if (m.type() === "error") consoleErrors.push(m.text()); });
-  await page.goto(url);
-  await page.waitForSelector(".status.connected");
+  const { page, consoleErrors } = await openChatPage(browser, url);
   await page.fill("#temperature", "0");
   await page.fill("#max-tokens", "30");
   await page.check("#speak-answers");

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint import cache_dir, file_lock
+from engine.checkpoint import converted_once
 
 logger = logging.getLogger("antiphon")
 
@@ -39,14 +39,7 @@ _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float1
 
 def ensure_default_asr_model() -> Path:
     """The converted Whisper tiny.en folder, made on first use (a second or two)."""
-    target = cache_dir() / "models" / DEFAULT_ASR_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(target.parent / f".{DEFAULT_ASR_NAME}.lock"):
-        if not (target / "config.json").is_file():
-            _convert(_packaged_folder(), target)
-    return target
+    return converted_once(DEFAULT_ASR_NAME, lambda target: _convert(_packaged_folder(), target))
 
 
 def _packaged_folder() -> Path:
