@@ -155,7 +155,12 @@ def decode_audio(data: bytes, format: str) -> np.ndarray:
 
 def encode_audio(samples: np.ndarray, format: str) -> bytes:
     """Float mono samples (clipped to [-1, 1]) -> bytes in a Realtime format."""
-    return _audio_format(format).encode(to_pcm16(samples))
+    return encode_pcm16(to_pcm16(samples), format)
+
+
+def encode_pcm16(pcm: np.ndarray, format: str) -> bytes:
+    """16-bit samples -> bytes in a Realtime format (no round trip through floats)."""
+    return _audio_format(format).encode(pcm)
 
 
 def to_pcm16(samples: np.ndarray) -> np.ndarray:

@@ -12,12 +12,13 @@ import itertools
 import time
 from collections import OrderedDict
 
-from engine.audio_formats import read_wav, resample, wav_header
+from engine.audio_formats import read_wav, resample, sample_rate_of, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.edge_decoding import InvalidInput
 from frontend.speech_recognition import transcribe
 
-SPEECH_RATE = 24000
+# Spoken answers come as OpenAI's pcm16: 24 kHz.
+SPEECH_RATE = sample_rate_of("audio/pcm")
 _ids = itertools.count()
 # Transcripts of spoken answers by audio id, for a client that sends an answer back as
 # {"role": "assistant", "audio": {"id": ...}} (the OpenAI multi-turn pattern). Bounded.

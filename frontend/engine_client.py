@@ -440,7 +440,7 @@ class EngineClient:
         self.speech_queues[request_id] = queue
         return queue
 
-    async def speak(self, request_id: str, text: str, *, final: bool = False, sample_rate: int = 24000,
+    async def speak(self, request_id: str, text: str, *, sample_rate: int, final: bool = False,
                     speed: float = 1.0) -> None:
         if request_id not in self.speech_queues:
             return  # cancelled or failed meanwhile: nothing listens any more

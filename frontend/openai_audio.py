@@ -23,13 +23,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
+from frontend.chat_audio import SPEECH_RATE
 from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.speech_recognition import recognized_segments
 from frontend.openai_http import body_or_error, error_response
 
 logger = logging.getLogger("antiphon.frontend")
 
-SPEECH_RATE = 24000
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
 SPEECH_FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
 TRANSCRIPTION_FIELDS = {"file", "model", "response_format", "language", "temperature", "stream", "prompt"}
@@ -191,7 +191,7 @@ class AudioEndpoints:
         if options["stream_format"] == "sse":
             return StreamingResponse(self._speech_events(pieces), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        body_iter = self._wav_stream(pieces) if options["response_format"] == "wav" else self._pcm_stream(pieces)
+        body_iter = self._wav_stream(pieces) if options["response_format"] == "wav" else pieces
         return StreamingResponse(body_iter, media_type=SPEECH_FORMATS[options["response_format"]],
                                  headers={"X-Sample-Rate": str(SPEECH_RATE)})
 
@@ -248,11 +248,6 @@ class AudioEndpoints:
                 piece = await queue.get()
         finally:
             client.cancel_speech(request_id)  # a no-op once the talker said final
-
-    @staticmethod
-    async def _pcm_stream(pieces):
-        async for pcm in pieces:
-            yield pcm
 
     @staticmethod
     async def _wav_stream(pieces):

@@ -35,6 +35,7 @@ import uuid
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from engine.audio_windows import RECOGNIZER_RATE
 from engine.sampling_params import SamplingParams
 from frontend.admission import AdmissionRefused, RequestLease
 from frontend.chat_request import sampling_params_or_invalid
@@ -415,9 +416,9 @@ class RealtimeSession:
             raise InvalidInput(message, code)
         item["content"][0]["transcript"] = text
         self.conversation_bytes += _text_bytes(text)
-        self.heard_ms[item_id] = 1000 * len(audio) / 16000
+        self.heard_ms[item_id] = 1000 * len(audio) / RECOGNIZER_RATE
         if reporting:
-            usage = {"type": "duration", "seconds": round(len(audio) / 16000, 3)}
+            usage = {"type": "duration", "seconds": round(len(audio) / RECOGNIZER_RATE, 3)}
             await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
                              "content_index": 0, "delta": text})
             await self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
@@ -441,7 +442,8 @@ class RealtimeSession:
                 raise InvalidInput(f"an input_audio part holds at most {self.config.max_audio_buffer_seconds:g} s",
                                    "audio_too_long", "item.content")
             try:
-                text, heard = await transcribe(self.state.client, resample(samples, audio_format["rate"], 16000))
+                text, heard = await transcribe(self.state.client,
+                                               resample(samples, audio_format["rate"], RECOGNIZER_RATE))
             except EngineUnavailable as exc:
                 raise InvalidInput(str(exc), "engine_unavailable", "item.content") from None
             if not heard:

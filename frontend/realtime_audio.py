@@ -24,7 +24,7 @@ import logging
 import numpy as np
 from msgspec import UNSET as _UNSET
 
-from engine.audio_formats import decode_audio, encode_audio, sample_rate_of
+from engine.audio_formats import decode_audio, encode_pcm16, sample_rate_of
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.edge_decoding import InvalidInput
 from frontend.realtime_events import BETA_AUDIO_FORMATS, SessionSettings
@@ -36,9 +36,9 @@ DEFAULT_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_paddin
 
 
 def default_audio_settings() -> dict:
-    return {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": dict(DEFAULT_TURN_DETECTION),
+    return {"input": {"format": _format("audio/pcm"), "turn_detection": dict(DEFAULT_TURN_DETECTION),
                       "transcription": {"model": "whisper-tiny.en", "language": "en"}, "noise_reduction": None},
-            "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alloy", "speed": 1.0}}
+            "output": {"format": _format("audio/pcm"), "voice": "alloy", "speed": 1.0}}
 
 
 def merged_audio_settings(current: dict, update: SessionSettings) -> dict:
@@ -115,7 +115,7 @@ def decode_client_audio(data: str, format_type: str, param: str) -> np.ndarray:
 def encode_client_audio(pcm16: bytes, format_type: str) -> str:
     """The talker's 16-bit PCM (already at the format's rate) as base64 in the client's format."""
     if format_type != "audio/pcm":
-        pcm16 = encode_audio(np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768, format_type)
+        pcm16 = encode_pcm16(np.frombuffer(pcm16, dtype="<i2"), format_type)
     return base64.b64encode(pcm16).decode()
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import soxr
 import zmq
 
 from engine import protocol
@@ -147,8 +148,6 @@ class TalkerWorker:
             self._finish(request_id)
 
     def _to_client_rate(self, answer: SpokenAnswer, audio: np.ndarray) -> bytes:
-        import soxr
-
         if answer.sample_rate != self.voice.sample_rate:
             # One stream per answer: its filter state carries over clause boundaries.
             if answer.resampler is None:
