@@ -151,6 +151,8 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     num_kv_blocks: int = 0
     # Embeddings the decoder may hold at once: a larger image can never be served.
     encoder_budget: int = 0
+    # The model's vocabulary (its logits' width): the frontend's grammar checks use it.
+    vocab_size: int = 0
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):

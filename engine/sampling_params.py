@@ -15,9 +15,30 @@ import msgspec
 # Counts and token ids far beyond any vocabulary or context, and within every int type on the way.
 MAX_COUNT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# Top log-probabilities any process computes per token; the frontend's --max-logprobs is lower.
+MAX_LOGPROBS = 1024
 # A stop string's length is text held back from streaming, and searched again per token.
 MAX_STOP_STRING_LENGTH = 1024
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+# Structured output kinds (engine/grammars.py compiles each) and the largest spec any
+# process accepts; the frontend's --max-grammar-bytes is usually lower.
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20
+
+
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """What the answer must match. `spec`: the JSON schema's text, the regex, a JSON list of
+    choices, or an EBNF grammar (empty for json_object). Frozen: the spec is a cache key."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured_output.kind", self.kind, f"must be one of {STRUCTURED_KINDS}")
+        _check(isinstance(self.spec, str) and len(self.spec) <= MAX_SPEC_CHARS, "structured_output.spec",
+               self.spec, f"must be a string of at most {MAX_SPEC_CHARS} characters")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -39,6 +60,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # The answer is constrained to match this (None: free text).
+    structured_output: StructuredOutput | None = None
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,8 +85,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(1 <= self.max_tokens <= MAX_COUNT, "max_tokens", self.max_tokens, f"must be in [1, {MAX_COUNT}]")
         _check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed", self.seed,
                "must be a 64-bit integer, in [-2**63, 2**64 - 1]")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-               "must be between 0 and 20")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+               f"must be between 0 and {MAX_LOGPROBS}")
+        _check(isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and 0 <= t <= MAX_COUNT and isinstance(b, (int, float)) and not isinstance(b, bool)
+            and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias", self.logit_bias,
+            "must map token ids to numbers in [-100, 100]")
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "structured_output", self.structured_output, "must be a StructuredOutput")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
                "must be in [-2, 2]")

@@ -227,6 +227,7 @@ class Scheduler:
                 mm_placeholders=request.mm_placeholders,
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
+                eos_token_ids=request.eos_token_ids,
             ))
             self.known_to_runner.add(request.request_id)
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -307,6 +308,9 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # This runs for every running request every step: it stays free of property calls
         # and per-request helper calls on the common path.
+        for request_id, message in result.errors.items():
+            if request_id in self.requests:
+                self._fail(self.requests[request_id], message)
         outputs = self.pending_outputs
         self.pending_outputs = []
         requests, sampled, all_logprobs = self.requests, result.sampled_token_ids, result.logprobs

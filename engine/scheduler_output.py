@@ -23,6 +23,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
+    # Where a structured answer may end (its grammar allows these once it is complete).
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -72,6 +74,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # Top-n (token id, logprob) pairs plus the sampled token's own logprob, when asked for.
     logprobs: dict[str, "TokenLogprobs"] = field(default_factory=dict)
+    # Requests that cannot go on (their grammar failed to compile): request id -> why.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -86,7 +86,8 @@ def test_logprobs_return_the_top_n_and_the_sampled_token(llm):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
-    ("max_tokens", 0), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+    ("max_tokens", 0), ("logprobs", 1025), ("logit_bias", {5: 101.0}), ("logit_bias", {-1: 1.0}),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("stop", [""]), ("stop_token_ids", [-1]),
     ("max_tokens", "5"), ("temperature", "hot"), ("seed", 1.5), ("top_k", True), ("stop", 3),
     # Values msgpack or torch cannot carry, which used to pass and fail after registration.

@@ -80,7 +80,8 @@ class DecoderWorker:
         self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
-            num_kv_blocks=self.core.sizes.num_kv_blocks, encoder_budget=self.core.sizes.encoder_budget)))
+            num_kv_blocks=self.core.sizes.num_kv_blocks, encoder_budget=self.core.sizes.encoder_budget,
+            vocab_size=executor.vocab_size)))
 
     def run(self) -> None:
         timeout = IDLE_POLL_MS

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from engine.adapters import adapter_for
-from engine.checkpoint import resolve_model_path
+from engine.checkpoint import load_tokenizer, resolve_model_path
+from engine.grammars import GrammarCompiler
 from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -25,7 +26,7 @@ class InProcessExecutor:
     def __init__(self, config: EngineConfig, with_encoder: bool = True) -> None:
         from transformers import AutoConfig
 
-        path = resolve_model_path(config.model)
+        path = self.path = resolve_model_path(config.model)
         model_config = AutoConfig.from_pretrained(path)
         self.model_max_len = model_config.get_text_config().max_position_embeddings
         device = resolve_device(config.device)
@@ -46,12 +47,15 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         spec = self.kv_cache_spec
         self.runner = ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
-                                                           spec.num_kv_heads, spec.head_dim), self.adapter)
+                                                           spec.num_kv_heads, spec.head_dim), self.adapter,
+                                  GrammarCompiler(lambda: load_tokenizer(self.path), self.vocab_size))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
     def close(self) -> None:
+        if self.runner is not None and self.runner.structured is not None:
+            self.runner.structured.close()
         self.runner = None
 
 

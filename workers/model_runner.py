@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, step_metadata
 from workers.sampler import SamplingRow, sample
+from workers.structured_decoding import StructuredDecoding
 
 # Decodes whose context is shorter than this fraction of a group's longest start a new
 # group: fewer padded keys to read, at the cost of one more attention call per layer.
@@ -52,8 +54,11 @@ class KVCacheShape:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape, adapter=None) -> None:
+    def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape, adapter=None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.model = model
+        # Structured output (None: no grammar engine here; such requests are refused earlier).
+        self.structured = StructuredDecoding(grammar_compiler) if grammar_compiler is not None else None
         # The family's adapter for a multimodal model (engine/adapters/), else None.
         self.adapter = adapter
         self.uses_mrope = adapter is not None and adapter.uses_mrope
@@ -79,7 +84,11 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.structured is not None:
+                self.structured.remove(request_id)
         for new in sched.new_requests:
+            if new.sampling_params.structured_output is not None:
+                self._structured().add(new.request_id, new.sampling_params, new.eos_token_ids)
             state = self.requests[new.request_id] = RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
@@ -96,6 +105,11 @@ class ModelRunner:
             if new_block_ids:
                 state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
+
+    def _structured(self) -> StructuredDecoding:
+        if self.structured is None:
+            raise RuntimeError("structured output needs a grammar compiler in the model runner")
+        return self.structured
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -120,18 +134,27 @@ class ModelRunner:
             inputs = {"input_ids": batch.input_ids}
         else:
             inputs = {"inputs_embeds": self._input_embeddings(batch.input_ids, states, batch)}
+        rows = [states[i] for i in batch.sample_rows]
+        # The grammar masks of this step are filled on another thread while the model runs.
+        masks = None
+        if self.structured is not None and rows:
+            masks = self.structured.start_step([(request_ids[row], state.token_ids[state.num_prompt_tokens:])
+                                                for row, state in zip(batch.sample_rows, rows)])
         with step_metadata(batch.attention):
             logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
                                   logits_to_keep=batch.logits_index).logits[0]
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
-        rows = [states[i] for i in batch.sample_rows]
+        step_masks = masks.result() if masks is not None else None
         token_ids, logprobs = sample(logits, [
             SamplingRow(s.sampling_params, s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
-            for s in rows])
-        for row, state, token_id, lp in zip(batch.sample_rows, rows, token_ids, logprobs):
+            for s in rows], constrain=(lambda x: self.structured.apply(x, step_masks)) if step_masks else None)
+        for index, (row, state, token_id, lp) in enumerate(zip(batch.sample_rows, rows, token_ids, logprobs)):
             request_id = request_ids[row]
+            if step_masks is not None and index in step_masks.errors:
+                output.errors[request_id] = step_masks.errors[index]
+                continue
             state.token_ids.append(token_id)
             output.sampled_token_ids[request_id] = token_id
             if lp is not None:

@@ -8,6 +8,7 @@ seeded request gives the same tokens whatever it is batched with, and after pree
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +24,21 @@ class SamplingRow:
     output_token_ids: list[int]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [R, V] float32, one row per request to sample."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [R, V], one row per request to sample. `constrain` masks the float32 logits in
+    place (structured output); log-probabilities are the model's own, taken before it."""
     logits = logits.float()
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    if constrain is not None or any(r.params.logit_bias for r in rows):
+        logits = logits.clone()  # the raw logprobs above may share its memory
+        for index, row in enumerate(rows):
+            if row.params.logit_bias:
+                _apply_logit_bias(logits[index], row.params.logit_bias)
+        if constrain is not None:
+            constrain(logits)
 
     if any(r.params.uses_penalties for r in rows):
         logits = logits.clone()
@@ -55,6 +65,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
                 top = list(zip(ids.tolist(), values.tolist()))
             logprobs[index] = TokenLogprobs(float(raw_logprobs[index, token_list[index]]), top)
     return token_list, logprobs
+
+
+def _apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    vocab = logits.shape[0]
+    ids = [token_id for token_id in bias if token_id < vocab]
+    if ids:
+        logits[torch.tensor(ids)] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
