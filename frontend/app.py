@@ -24,11 +24,15 @@ from frontend.generation import GenerationService
 from frontend.host_guard import HostGuard
 from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
                              key_from_subprotocols, origin_allowed)
+from frontend.logprobs_format import LogprobFormatter
 from frontend.metrics import Metrics
 from frontend.openai_audio import AudioEndpoints
-from frontend.openai_http import ChatCompletions, error_response
+from frontend.openai_chat import ChatCompletions
+from frontend.openai_completions import Completions
+from frontend.openai_http import error_response
 from frontend.realtime import RealtimeSession
 from frontend.server_config import ServerConfig
+from frontend.structured_output import GrammarChecker
 
 logger = logging.getLogger("antiphon.frontend")
 
@@ -46,6 +50,9 @@ class AppState:
     started: int = 0
     generation: GenerationService | None = None
     realtime_sessions: int = 0
+    # Structured output specs checked at the edge, and logprobs in OpenAI's shapes.
+    grammar_checker: GrammarChecker | None = None
+    logprob_formatter: LogprobFormatter | None = None
 
 
 def image_adapter(path: Path):
@@ -66,6 +73,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                   max_spoken_answers=config.max_spoken_answers),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
     chat = ChatCompletions(state)
+    completions = Completions(state)
     audio = AudioEndpoints(state)
     connections = OpenConnections(config.max_connections, config.max_connections_per_client)
 
@@ -99,6 +107,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
                                              config.max_prompt_tokens, state.metrics, adapter, config.media_limits(),
                                              state.client.ready["decoder"].encoder_budget)
+        state.grammar_checker = GrammarChecker(tokenizer, state.client.ready["decoder"].vocab_size)
+        state.logprob_formatter = LogprobFormatter(tokenizer)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
                     "http://%s:%d/v1/chat/completions%s", state.model_name, host, config.port, host, config.port,
@@ -180,6 +190,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         Route("/metrics", metrics),
         Route("/v1/models", authorized(chat.models)),
         Route("/v1/chat/completions", authorized(chat.create), methods=["POST"]),
+        Route("/v1/completions", authorized(completions.create), methods=["POST"]),
         Route("/v1/audio/transcriptions", authorized(audio.transcriptions), methods=["POST"]),
         Route("/v1/audio/speech", authorized(audio.speech), methods=["POST"]),
         WebSocketRoute("/v1/realtime", realtime),

@@ -1,7 +1,8 @@
 """The body of POST /v1/chat/completions, as a typed struct, and its sampling parameters.
 
-Fields of the OpenAI schema that this server does not act on yet are not declared, so
-they are ignored as before; the API-completeness work turns those into clear refusals.
+Every field of OpenAI's chat completions schema is declared: honoured, or refused when set
+(`UNSUPPORTED`); a field the schema lacks is refused unless --accept-unknown-fields
+(frontend/request_fields.py). The README's "OpenAI API" table lists what is honoured.
 """
 
 from __future__ import annotations
@@ -12,23 +13,25 @@ import msgspec
 
 from engine.sampling_params import SamplingParams
 from frontend.edge_decoding import Count, InvalidInput, Number, Seed
+from frontend.request_fields import refuse_unsupported
+from frontend.structured_output import ResponseFormat
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 TEXT_PART_TYPES = ("text", "input_text")
 
 
-class ImageURL(msgspec.Struct):
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
     # A data URL, or a local file under --allowed-local-media-path; the media limits apply later.
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class InputAudio(msgspec.Struct):
+class InputAudio(msgspec.Struct, forbid_unknown_fields=True):
     data: str  # base64
     format: Literal["wav", "mp3"]
 
 
-class ChatContentPart(msgspec.Struct):
+class ChatContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
@@ -56,18 +59,33 @@ class ChatContentPart(msgspec.Struct):
                            "unsupported_content_type", "messages.content")
 
 
-class AssistantAudio(msgspec.Struct):
+class AssistantAudio(msgspec.Struct, forbid_unknown_fields=True):
     """A spoken answer sent back in the conversation: its text is its transcript."""
 
     id: Annotated[str, msgspec.Meta(max_length=128)]
     transcript: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str | Annotated[list[ChatContentPart], msgspec.Meta(max_length=4096)] | None = None
     name: str | None = None
     audio: AssistantAudio | None = None
+    # An assistant's earlier tool calls, and a tool message's answer to one of them.
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=128)] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     def content_for_template(self) -> str | list[dict]:
         """A string, or the parts as dicts (text and images); bad parts are a clear error."""
@@ -79,6 +97,8 @@ class ChatMessage(msgspec.Struct):
                 raise InvalidInput(f"no spoken answer with audio id {self.audio.id!r} is known here (give its "
                                    "transcript as content)", "audio_expired", "messages.audio")
             return transcript
+        if self.content is None and (self.tool_calls or self.refusal is not None):
+            return self.refusal or ""
         if self.content is None:
             raise InvalidInput("a message needs content", "invalid_message", "messages.content")
         if isinstance(self.content, str):
@@ -86,16 +106,46 @@ class ChatMessage(msgspec.Struct):
         return [part.as_dict() for part in self.content]
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = True
+    # Random padding against length side channels: not added by this server (refused if true).
+    include_obfuscation: bool | None = None
 
 
-class AudioOutput(msgspec.Struct):
+class AudioOutput(msgspec.Struct, forbid_unknown_fields=True):
     voice: Annotated[str, msgspec.Meta(max_length=64)]  # every name speaks with the server's voice
     format: Literal["wav", "pcm16"]
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# OpenAI fields this server knows and does not act on: refused unless set to a value that
+# asks for nothing (frontend/request_fields.py). `store` true would keep answers for a
+# dashboard that does not exist here; reasoning, web search, predictions: no such models.
+UNSUPPORTED = {"store": (False,), "service_tier": ("auto", "default"), "reasoning_effort": (),
+               "verbosity": (), "prediction": (), "web_search_options": (), "functions": (), "function_call": ()}
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=65536)]
     model: str | None = None
     stream: bool = False
@@ -107,6 +157,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     n: Count | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
@@ -115,11 +166,44 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: bool | None = None
     top_logprobs: Count | None = None
+    # Accepted: who asks and for what; this server keeps no per-user state and no metadata.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
     # Extension, as in vLLM: the generated token ids beside the text.
     return_token_ids: bool = False
     modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(min_length=1, max_length=2)] | None = None
     audio: AudioOutput | None = None
+    # Structured output, and vLLM's guided decoding extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], msgspec.Meta(max_length=4096)] | None = None
+    guided_grammar: str | None = None
+    # Tools.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Declared to be refused when set (UNSUPPORTED).
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    def check_supported(self) -> None:
+        refuse_unsupported(self, UNSUPPORTED)
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise InvalidInput("stream_options.include_obfuscation is not supported by this server",
+                               "unsupported_parameter", "stream_options.include_obfuscation")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidInput("stream_options needs stream: true", "invalid_value", "stream_options")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidInput("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
 
     def spoken_format(self) -> str | None:
         """The answer's audio format when it is to be spoken (modalities with "audio"), else None."""
@@ -133,12 +217,26 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     def conversation(self) -> list[dict]:
         if not self.messages:
             raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
-        return [{"role": m.role, "content": m.content_for_template()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.content_for_template()}
+            if m.tool_calls:
+                message["tool_calls"] = [msgspec.to_builtins(call) for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                message["name"] = m.name
+            out.append(message)
+        return out
 
-    def sampling_params(self, default_max_tokens: int, max_stop_strings: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, max_stop_strings: int, max_logprobs: int = 20,
+                        max_choices: int = 16) -> SamplingParams:
         """A bad value is an InvalidInput naming the field."""
-        if self.n not in (None, 1):
-            raise InvalidInput("only n=1 is supported", "unsupported_parameter", "n")
+        if self.n is not None and not 1 <= self.n <= max_choices:
+            raise InvalidInput(f"n must be between 1 and {max_choices} (--max-choices)", "invalid_value", "n")
+        if self.logprobs and (self.top_logprobs or 0) > max_logprobs:
+            raise InvalidInput(f"top_logprobs must be at most {max_logprobs} (--max-logprobs)", "invalid_value",
+                               "top_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stop) > max_stop_strings:
             raise InvalidInput(f"at most {max_stop_strings} stop strings are allowed", "invalid_value", "stop")
@@ -156,9 +254,22 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
             "repetition_penalty": _or(self.repetition_penalty, 1.0),
             "ignore_eos": self.ignore_eos,
             "logprobs": _or(self.top_logprobs, 0) if self.logprobs else None,
+            "logit_bias": logit_bias_of(self.logit_bias),
         }
         return sampling_params_or_invalid(fields, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                                                    if self.max_completion_tokens is not None else "max_tokens"})
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) as token id -> bias."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 10:
+            raise InvalidInput(f"logit_bias keys must be token ids, not {key[:20]!r}", "invalid_value", "logit_bias")
+        if not -100 <= value <= 100:
+            raise InvalidInput("logit_bias values must be in [-100, 100]", "invalid_value", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def sampling_params_or_invalid(fields: dict, param_names: dict | None = None) -> SamplingParams:

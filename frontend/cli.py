@@ -120,6 +120,15 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-events-per-second", type=float, default=200.0,
                        help="Realtime client events per connection (bursts of twice that)")
     group.add_argument("--max-stop-strings", type=int, default=8)
+    group.add_argument("--max-logprobs", type=int, default=20, help="largest top_logprobs / logprobs a request may ask")
+    group.add_argument("--max-choices", type=int, default=16, help="largest n (choices per request)")
+    group.add_argument("--max-grammar-bytes", type=int, default=64 << 10,
+                       help="largest JSON schema, regex, choice list or grammar of a structured-output request")
+    group.add_argument("--max-tools", type=int, default=128, help="tools one request may offer")
+    group.add_argument("--max-prompts-per-request", type=int, default=64,
+                       help="prompts in one /v1/completions batch")
+    group.add_argument("--accept-unknown-fields", action="store_true",
+                       help="ignore request fields this server does not know (default: 400 unsupported_parameter)")
     group.add_argument("--header-timeout", type=float, default=10.0, dest="header_timeout_s")
     group.add_argument("--body-timeout", type=float, default=30.0, dest="body_timeout_s")
     group.add_argument("--idle-timeout", type=float, default=600.0, dest="idle_timeout_s")
@@ -206,7 +215,10 @@ def _serve(args) -> int:
             max_connections_per_client=args.max_connections_per_client,
             max_conversation_items=args.max_conversation_items,
             max_conversation_bytes=args.max_conversation_bytes, max_events_per_second=args.max_events_per_second,
-            max_stop_strings=args.max_stop_strings, header_timeout_s=args.header_timeout_s,
+            max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs, max_choices=args.max_choices,
+            max_grammar_bytes=args.max_grammar_bytes, max_tools=args.max_tools,
+            max_prompts_per_request=args.max_prompts_per_request, accept_unknown_fields=args.accept_unknown_fields,
+            header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,
             max_worker_restarts=args.max_worker_restarts, worker_restart_window_s=args.worker_restart_window_s,
             worker_timeout_s=args.worker_timeout_s, max_audio_bytes=args.max_audio_bytes,

@@ -31,6 +31,7 @@ from frontend.admission import Admission, RequestLease
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
+from frontend.tool_calls import prepare_conversation, template_supports_tools
 
 
 @dataclass
@@ -83,6 +84,7 @@ class GenerationService:
         self.media_limits = media_limits if media_limits is not None else MediaLimits()
         self._preprocessing = anyio.CapacityLimiter(max(1, os.cpu_count() or 1))
         self.encoder_budget = encoder_budget
+        self.native_tools = template_supports_tools(getattr(tokenizer, "chat_template", None))
         # Refuse at start, not on every request, a tokenizer incremental detokenization cannot use.
         RequestOutputProcessor(tokenizer, [], SamplingParams())
 
@@ -90,7 +92,7 @@ class GenerationService:
         """Claim a slot for a new request before any work is done for it (raises AdmissionRefused)."""
         return self.admission.admit(self.client, request_id)
 
-    async def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
         """Apply the chat template in a worker thread, and decode and preprocess the images
         in the pool. `messages`: roles and content (a string or text/image parts), already
         type-checked at the edge."""
@@ -109,7 +111,7 @@ class GenerationService:
                 raise InvalidInput(str(exc), exc.code, "messages") from None
         try:
             async with self._templating:
-                token_ids = await anyio.to_thread.run_sync(self._apply_template, messages)
+                token_ids = await anyio.to_thread.run_sync(self._apply_template, messages, tools)
         except (TemplateError, ValueError, TypeError) as exc:
             # Templates refuse some conversations (roles that do not alternate, a system
             # message where none may go): the client's conversation, not a server fault.
@@ -141,19 +143,21 @@ class GenerationService:
         token_ids, placeholders, items = expand_images(self.adapter, token_ids, images)
         return ChatPrompt(token_ids, placeholders, items)
 
-    def _apply_template(self, messages: list[dict]) -> list[int]:
-        normalized = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                      for m in messages]
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        normalized = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+        # Tools, tool calls and tool answers: rendered by the template when it knows them,
+        # else written into the conversation in the Hermes format (frontend/tool_calls.py).
+        normalized, extra = prepare_conversation(normalized, tools, self.native_tools)
         return list(self.tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+                                                       return_dict=False, **extra))
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], param: str = "messages") -> None:
         if not token_ids:
-            raise InvalidInput("the prompt is empty", "empty_prompt", "messages")
+            raise InvalidInput("the prompt is empty", "empty_prompt", param)
         if len(token_ids) > self.max_prompt_tokens:
             raise InvalidInput(
                 f"the prompt is {len(token_ids)} tokens; the limit is {self.max_prompt_tokens}",
-                "prompt_too_long", "messages")
+                "prompt_too_long", param)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"

@@ -47,6 +47,15 @@ class ServerConfig:
     max_conversation_bytes: int = 1 << 20
     max_events_per_second: float = 200.0
     max_stop_strings: int = 8
+    # OpenAI API completeness: top_logprobs per token, choices per request (n), a grammar's or
+    # schema's size, tools per request, prompts in one /v1/completions batch. A request field
+    # the server does not know is refused (400 unsupported_parameter) unless this is set.
+    max_logprobs: int = 20
+    max_choices: int = 16
+    max_grammar_bytes: int = 64 << 10
+    max_tools: int = 128
+    max_prompts_per_request: int = 64
+    accept_unknown_fields: bool = False
     # A client has this long to send its request headers, and then its body.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -97,9 +106,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
                      "max_connections", "max_connections_per_client", "max_conversation_items",
-                     "max_conversation_bytes", "max_stop_strings"):
+                     "max_conversation_bytes", "max_stop_strings", "max_choices", "max_grammar_bytes",
+                     "max_tools", "max_prompts_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.max_logprobs <= 1024:
+            raise ValueError("max_logprobs must be in [0, 1024]")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_events_per_second"):

@@ -163,7 +163,8 @@ def test_a_cancel_racing_the_end_of_a_response_never_loses_its_response_done(tin
     {"messages": HELLO, "stop": [["x"]]},
     {"messages": HELLO, "stop": ["a", "b", "c"]},
     {"messages": HELLO, "temperature": "hot"},
-    {"messages": HELLO, "n": 2},
+    {"messages": HELLO, "n": 0},
+    {"messages": HELLO, "n": 10**6},
     [1, 2, 3],
 ], ids=lambda b: json.dumps(b)[:60])
 def test_bad_bodies_are_400s_naming_the_field_and_hold_nothing(server, body):

@@ -1,0 +1,349 @@
+"""POST /v1/chat/completions: plain and SSE, n choices, logprobs, structured output, tools,
+and spoken answers.
+
+Order of work for a request: read the body (size and time bounded), decode it into a typed
+struct (unknown fields refused), check what it asks (its grammar compiled off the loop),
+admit its choices (a lease each, or 429), and only then template and generate. The leases
+are released however the request ends: normal end, error, a client that disconnects
+mid-stream, or one that disconnects while a plain answer is generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.sampling_params import StructuredOutput
+from frontend.admission import AdmissionRefused
+from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
+from frontend.chat_request import ChatCompletionRequest
+from frontend.choices import Choice, admit_choices, close_choices, collect, merged, params_per_choice, start_choices
+from frontend.edge_decoding import InvalidInput
+from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.generation import TextChunk
+from frontend.limits import bearer_token, cache_salt
+from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, unless_disconnected,
+                                  usage_of, wait_for_disconnect)
+from frontend.request_fields import decode_request
+from frontend.structured_output import structured_output_of
+from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
+                                 tool_call_grammar, tool_calls_json, validate_tools)
+
+
+@dataclass
+class ChatPlan:
+    """What a checked request asks for, beyond its sampling parameters."""
+
+    body: ChatCompletionRequest
+    params: object
+    messages: list
+    n: int
+    tools: list | None
+    spoken_format: str | None
+
+
+class ChatCompletions:
+    def __init__(self, app_state) -> None:
+        self.state = app_state
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.state.model_name, "object": "model", "created": self.state.started, "owned_by": "antiphon"}]})
+
+    async def create(self, request: Request) -> Response:
+        state, config = self.state, self.state.config
+        body_bytes = await body_or_error(request, config)
+        if isinstance(body_bytes, Response):
+            return body_bytes
+        try:
+            plan = await self._plan(body_bytes)
+        except InvalidInput as exc:
+            return error_response(400, str(exc), exc.code, exc.param)
+        except VoiceBusy as exc:
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
+        except EngineUnavailable as exc:
+            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        try:
+            leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
+        except AdmissionRefused as exc:
+            return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
+                                  headers={"Retry-After": str(exc.retry_after_s)})
+        request_id = leases[0].request_id
+        salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
+        # From here on a client that hangs up stops its request, before or after its first token.
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        handed_over = False
+        spoken = None
+        try:
+            if plan.spoken_format is not None:
+                spoken = SpokenAnswer(state.client, request_id, plan.spoken_format)
+            start = asyncio.ensure_future(self._start(leases, plan, salt))
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return Response(status_code=499)  # nobody is listening any more
+            choices = start.result()
+            if plan.body.stream:
+                gone.cancel()  # the streaming response watches for the disconnect itself
+                handed_over = True
+                return LeasedStreamingResponse(
+                    leases, self._sse(request_id, choices, plan, spoken),
+                    on_close=spoken.close if spoken is not None else None, media_type="text/event-stream")
+            return await self._complete_unless_disconnected(gone, request_id, choices, plan, spoken)
+        except InvalidInput as exc:
+            return error_response(400, str(exc), exc.code, exc.param)
+        except VoiceBusy as exc:
+            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
+        except EngineUnavailable as exc:
+            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        except SpeechFailed as exc:
+            return error_response(503, str(exc), "voice_unavailable", error_type="server_error")
+        finally:
+            gone.cancel()
+            if not handed_over:
+                for lease in leases:
+                    lease.release()
+                if spoken is not None:
+                    spoken.close()
+
+    async def _plan(self, body_bytes: bytes) -> ChatPlan:
+        state, config = self.state, self.state.config
+        body = decode_request(body_bytes, ChatCompletionRequest, config.accept_unknown_fields)
+        body.check_supported()
+        params = body.sampling_params(config.default_max_tokens, config.max_stop_strings, config.max_logprobs,
+                                      config.max_choices)
+        n = body.n or 1
+        tools = self._tools(body)
+        constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
+                                          body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
+        # A named function is called once; "required" may call several unless told otherwise.
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
+        grammar = tool_call_grammar(tools, _choice_dict(body.tool_choice), parallel) if tools else None
+        if grammar is not None:
+            if constraint is not None:
+                raise InvalidInput(f"{constraint[1]} cannot be combined with a tool_choice that forces a tool call",
+                                   "invalid_value", constraint[1])
+            constraint = (StructuredOutput("grammar", grammar), "tool_choice")
+        if constraint is not None:
+            await state.grammar_checker.check(*constraint)
+            params = msgspec.structs.replace(params, structured_output=constraint[0])
+        messages = body.conversation()
+        spoken_format = body.spoken_format()
+        if spoken_format is not None:
+            if not state.engine_config.voice:
+                raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality", "modalities")
+            if body.stream and spoken_format == "wav":
+                raise InvalidInput("streamed audio is pcm16: set audio.format to pcm16", "invalid_value",
+                                   "audio.format")
+            if n > 1 or tools:
+                raise InvalidInput("a spoken answer is one choice without tools", "invalid_value",
+                                   "n" if n > 1 else "tools")
+        # Spoken parts become their transcripts (the encoder process hears them).
+        await transcribe_audio_parts(state.client, messages, state.engine_config.voice,
+                                     config.max_audio_buffer_seconds)
+        return ChatPlan(body, params, messages, n, tools, spoken_format)
+
+    def _tools(self, body: ChatCompletionRequest) -> list[dict] | None:
+        """The request's tools as dicts, checked; None when there are none or none may be called."""
+        if body.tools is None and body.tool_choice in (None, "none", "auto"):
+            return None
+        tools = [msgspec.to_builtins(tool) for tool in body.tools or []]
+        if len(tools) > self.state.config.max_tools:
+            raise InvalidInput(f"at most {self.state.config.max_tools} tools (--max-tools)", "invalid_value", "tools")
+        try:
+            validate_tools(tools, _choice_dict(body.tool_choice))
+        except ToolSpecError as exc:
+            raise InvalidInput(str(exc), "invalid_value", exc.param) from None
+        # tool_choice "none": the model sees the tools but may not call them.
+        return tools or None
+
+    async def _start(self, leases, plan: ChatPlan, salt: str | None) -> list[Choice]:
+        generation = self.state.generation
+        prompt = await generation.chat_prompt(plan.messages, plan.tools)
+        return await start_choices(generation, leases, [prompt] * plan.n, params_per_choice(plan.params, plan.n),
+                                   salt)
+
+    def _calls_tools(self, plan: ChatPlan) -> bool:
+        return plan.tools is not None and plan.body.tool_choice != "none"
+
+    async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, choices: list[Choice],
+                                            plan: ChatPlan, spoken: SpokenAnswer | None) -> Response:
+        """The whole answer; if the client goes away meanwhile, generation stops at once."""
+        collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not collecting.done():
+                collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            await close_choices(choices)
+        if collecting.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        all_chunks = collecting.result()
+        for chunks in all_chunks:
+            if chunks[-1].finish_reason == "error":
+                return error_response(500, chunks[-1].error or "generation failed", "engine_error",
+                                      error_type="server_error")
+        out = [self._choice(index, chunks, plan) for index, chunks in enumerate(all_chunks)]
+        if spoken is not None:
+            text = out[0]["message"]["content"]
+            await spoken.say(text, final=True)
+            pcm = await unless_disconnected(gone, spoken.rest())
+            if pcm is None:
+                return Response(status_code=499)
+            # As OpenAI's audio answers: the text is the audio's transcript.
+            out[0]["message"] = {"role": "assistant", "content": None,
+                                 "audio": spoken.message_audio(b"".join(pcm), text)}
+            remember_transcript(out[0]["message"]["audio"]["id"], text)
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.state.model_name, "choices": out, "usage": usage_of([c[-1] for c in all_chunks]),
+        })
+
+    def _choice(self, index: int, chunks: list[TextChunk], plan: ChatPlan) -> dict:
+        text = "".join(c.text for c in chunks)
+        finish_reason = chunks[-1].finish_reason
+        message = {"role": "assistant", "content": text}
+        if self._calls_tools(plan):
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        token_ids = [t for c in chunks for t in c.token_ids]
+        if plan.params.logprobs is not None:
+            choice["logprobs"] = self.state.logprob_formatter.chat(token_ids, [lp for c in chunks for lp in c.logprobs])
+        if plan.body.return_token_ids:  # extension, as in vLLM
+            choice["token_ids"] = token_ids
+        return choice
+
+    async def _sse(self, request_id: str, choices: list[Choice], plan: ChatPlan, spoken: SpokenAnswer | None):
+        created = int(time.time())
+        body = plan.body
+        include_usage = body.stream_options.include_usage if body.stream_options else True
+        parsers = {c.index: StreamingToolCallParser() for c in choices} if self._calls_tools(plan) else {}
+        called = set()
+        last_chunks: dict[int, TextChunk] = {}
+
+        def event(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+            return sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": self.state.model_name, "choices": [choice]})
+
+        stream = merged(choices)
+        try:
+            # The role events go out in the same write as the first tokens, not one write ahead.
+            out = [event(c.index, {"role": "assistant", "content": ""}) for c in choices]
+            async for index, chunk in stream:
+                if chunk.finish_reason == "error":
+                    out.append(sse_data({"error": {"message": chunk.error, "type": "server_error",
+                                                   "code": "engine_error"}}))
+                    break
+                logprobs = (self.state.logprob_formatter.chat(chunk.token_ids, chunk.logprobs)
+                            if plan.params.logprobs is not None and chunk.token_ids else None)
+                if spoken is not None:
+                    failed = await self._spoken_events(spoken, chunk, event, out)
+                    if failed:
+                        break
+                    if chunk.finish_reason is not None:
+                        talker_failed: list[str] = []
+                        async for pieces in self._rest_of_speech(spoken, event, talker_failed):
+                            yield "".join(out)
+                            out = pieces
+                        if talker_failed:
+                            break
+                elif index in parsers:
+                    pieces = parsers[index].feed(chunk.text)
+                    if chunk.finish_reason is not None:
+                        pieces += parsers[index].finish()
+                    out += self._tool_events(index, pieces, event, logprobs, called)
+                elif chunk.text or logprobs is not None or (body.return_token_ids and chunk.token_ids):
+                    delta = {"content": chunk.text}
+                    if body.return_token_ids:
+                        delta["token_ids"] = chunk.token_ids
+                    out.append(event(index, delta, logprobs=logprobs))
+                if chunk.finish_reason is not None:
+                    last_chunks[index] = chunk
+                    reason = "tool_calls" if index in called and chunk.finish_reason == "stop" else chunk.finish_reason
+                    out.append(event(index, {}, reason))
+                    if len(last_chunks) == len(choices) and include_usage:
+                        out.append(sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                             "model": self.state.model_name, "choices": [],
+                                             "usage": usage_of(list(last_chunks.values()))}))
+                if out and len(last_chunks) < len(choices):
+                    yield "".join(out)
+                    out = []
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
+        finally:
+            # Runs on normal end and when the client disconnects; closing the merged stream
+            # closes every choice, whose cleanup releases its lease.
+            if spoken is not None:
+                spoken.close()
+            await stream.aclose()
+
+    @staticmethod
+    def _tool_events(index: int, pieces: list, event, logprobs, called: set) -> list[str]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta):
+                called.add(index)
+                call = {"index": piece.index, "function": {"arguments": piece.arguments}}
+                if piece.id is not None:
+                    call.update(id=piece.id, type="function")
+                    call["function"] = {"name": piece.name, "arguments": piece.arguments}
+                out.append(event(index, {"tool_calls": [call]}, logprobs=logprobs))
+            elif piece:
+                out.append(event(index, {"content": piece}, logprobs=logprobs))
+            else:
+                continue
+            logprobs = None  # once per chunk, with its first event
+        if logprobs is not None:
+            out.append(event(index, {}, logprobs=logprobs))
+        return out
+
+    @staticmethod
+    async def _spoken_events(spoken: SpokenAnswer, chunk: TextChunk, event, out: list) -> bool:
+        """A spoken answer's events for one chunk: its text is the audio's transcript, and the
+        audio follows as it is made. True when the talker failed (an error event is added)."""
+        try:
+            if chunk.text:
+                out.append(event(0, {"audio": {"id": spoken.id, "transcript": chunk.text}}))
+                await spoken.say(chunk.text)
+            out += [event(0, {"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}})
+                    for pcm in spoken.ready()]
+            if chunk.finish_reason is not None:
+                await spoken.say("", final=True)
+            return False
+        except (SpeechFailed, EngineUnavailable) as exc:
+            out.append(sse_data({"error": {"message": str(exc), "type": "server_error", "code": "voice_unavailable"}}))
+            return True
+
+    @staticmethod
+    async def _rest_of_speech(spoken: SpokenAnswer, event, failed: list[str]):
+        """After the text: the rest of the audio, each piece as soon as it is made (a talker
+        failure: an error event, and `failed` gets its message)."""
+        while not spoken.ended:
+            try:
+                pieces = await spoken.next_pieces()
+            except (SpeechFailed, EngineUnavailable) as exc:
+                failed.append(str(exc))
+                yield [sse_data({"error": {"message": str(exc), "type": "server_error", "code": "voice_unavailable"}})]
+                return
+            yield [event(0, {"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}}) for pcm in pieces]
+
+
+def _choice_dict(tool_choice):
+    return msgspec.to_builtins(tool_choice) if tool_choice is not None and not isinstance(tool_choice, str) \
+        else tool_choice

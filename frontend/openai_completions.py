@@ -1,0 +1,192 @@
+"""POST /v1/completions: text completions of a prompt or a batch of prompts, n each.
+
+Choice `i * n + j` is the j-th completion of prompt i, as in OpenAI's API. Every choice of
+the batch is admitted together (all or a 429) and the choices of one prompt share its KV
+blocks (frontend/choices.py). A string prompt is tokenized as it is, with no chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.admission import AdmissionRefused
+from frontend.choices import Choice, admit_choices, close_choices, collect, merged, params_per_choice, start_choices
+from frontend.completion_request import CompletionRequest
+from frontend.edge_decoding import InvalidInput
+from frontend.engine_client import EngineUnavailable
+from frontend.generation import TextChunk
+from frontend.limits import bearer_token, cache_salt
+from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, usage_of,
+                                  wait_for_disconnect)
+from frontend.request_fields import decode_request
+from frontend.structured_output import structured_output_of
+
+
+class Completions:
+    def __init__(self, app_state) -> None:
+        self.state = app_state
+
+    async def create(self, request: Request) -> Response:
+        state, config = self.state, self.state.config
+        body_bytes = await body_or_error(request, config)
+        if isinstance(body_bytes, Response):
+            return body_bytes
+        try:
+            body, params, prompts = await self._check(body_bytes)
+        except InvalidInput as exc:
+            return error_response(400, str(exc), exc.code, exc.param)
+        n = body.n or 1
+        try:
+            leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
+        except AdmissionRefused as exc:
+            return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
+                                  headers={"Retry-After": str(exc.retry_after_s)})
+        request_id = leases[0].request_id
+        salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        handed_over = False
+        try:
+            per_choice = params_per_choice(params, n) * len(prompts)
+            start = asyncio.ensure_future(start_choices(
+                state.generation, leases, [p for p in prompts for _ in range(n)], per_choice, salt))
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return Response(status_code=499)
+            choices = start.result()
+            echoes = [self._echo(body, p) for p in prompts for _ in range(n)]
+            if body.stream:
+                gone.cancel()
+                handed_over = True
+                return LeasedStreamingResponse(leases, self._sse(request_id, choices, body, echoes, n),
+                                               media_type="text/event-stream")
+            return await self._complete(gone, request_id, choices, body, echoes, n)
+        except InvalidInput as exc:
+            return error_response(400, str(exc), exc.code, exc.param)
+        except EngineUnavailable as exc:
+            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        finally:
+            gone.cancel()
+            if not handed_over:
+                for lease in leases:
+                    lease.release()
+
+    async def _check(self, body_bytes: bytes):
+        state, config = self.state, self.state.config
+        body = decode_request(body_bytes, CompletionRequest, config.accept_unknown_fields)
+        body.check_supported()
+        params = body.sampling_params(config.max_stop_strings, config.max_logprobs, config.max_choices)
+        constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
+                                          body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
+        if constraint is not None:
+            await state.grammar_checker.check(*constraint)
+            params = msgspec.structs.replace(params, structured_output=constraint[0])
+        prompts = await anyio.to_thread.run_sync(self._token_ids, body.prompts(config.max_prompts_per_request))
+        return body, params, prompts
+
+    def _token_ids(self, prompts: list) -> list[list[int]]:
+        generation = self.state.generation
+        vocab = self.state.client.ready["decoder"].vocab_size
+        out = []
+        for index, prompt in enumerate(prompts):
+            token_ids = generation.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if any(t >= vocab for t in token_ids):
+                raise InvalidInput(f"prompt[{index}] holds a token id outside the vocabulary of {vocab}",
+                                   "invalid_value", "prompt")
+            generation.check_prompt(token_ids, "prompt")
+            out.append(token_ids)
+        return out
+
+    def _echo(self, body: CompletionRequest, token_ids: list[int]) -> str:
+        return self.state.generation.tokenizer.decode(token_ids) if body.echo else ""
+
+    async def _complete(self, gone, request_id: str, choices: list[Choice], body: CompletionRequest,
+                        echoes: list[str], n: int) -> Response:
+        collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not collecting.done():
+                collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            await close_choices(choices)
+        if collecting.cancelled():
+            return Response(status_code=499)
+        all_chunks = collecting.result()
+        out = []
+        for index, chunks in enumerate(all_chunks):
+            last = chunks[-1]
+            if last.finish_reason == "error":
+                return error_response(500, last.error or "generation failed", "engine_error",
+                                      error_type="server_error")
+            out.append(self._choice(index, echoes[index] + "".join(c.text for c in chunks), chunks, body,
+                                    len(echoes[index]), last.finish_reason))
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                             "model": self.state.model_name, "choices": out,
+                             "usage": _batch_usage([c[-1] for c in all_chunks], n)})
+
+    def _choice(self, index: int, text: str, chunks: list[TextChunk], body: CompletionRequest, offset: int,
+                finish_reason) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        token_ids = [t for c in chunks for t in c.token_ids]
+        if body.logprobs is not None:
+            choice["logprobs"] = self.state.logprob_formatter.completion(
+                token_ids, [lp for c in chunks for lp in c.logprobs], offset)
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    async def _sse(self, request_id: str, choices: list[Choice], body: CompletionRequest, echoes: list[str],
+                   n: int):
+        created = int(time.time())
+        include_usage = body.stream_options.include_usage if body.stream_options else True
+        offsets = [len(echo) for echo in echoes]
+        last_chunks: dict[int, TextChunk] = {}
+
+        def event(choice: dict) -> str:
+            return sse_data({"id": request_id, "object": "text_completion", "created": created,
+                             "model": self.state.model_name, "choices": [choice]})
+
+        stream = merged(choices)
+        try:
+            out = [event({"index": i, "text": echo, "logprobs": None, "finish_reason": None})
+                   for i, echo in enumerate(echoes) if echo]
+            async for index, chunk in stream:
+                if chunk.finish_reason == "error":
+                    out.append(sse_data({"error": {"message": chunk.error, "type": "server_error",
+                                                   "code": "engine_error"}}))
+                    break
+                if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+                    choice = self._choice(index, chunk.text, [chunk], body, offsets[index], chunk.finish_reason)
+                    offsets[index] += len(chunk.text)
+                    out.append(event(choice))
+                if chunk.finish_reason is not None:
+                    last_chunks[index] = chunk
+                    if len(last_chunks) == len(choices) and include_usage:
+                        out.append(sse_data({"id": request_id, "object": "text_completion", "created": created,
+                                             "model": self.state.model_name, "choices": [],
+                                             "usage": _batch_usage([last_chunks[i] for i in sorted(last_chunks)],
+                                                                   n)}))
+                if out and len(last_chunks) < len(choices):
+                    yield "".join(out)
+                    out = []
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
+        finally:
+            await stream.aclose()
+
+
+def _batch_usage(last_chunks: list[TextChunk], n: int) -> dict:
+    """Usage of a batch: each prompt counted once, every choice's completion."""
+    per_prompt = [usage_of(last_chunks[i:i + n]) for i in range(0, len(last_chunks), n)]
+    total = {key: sum(u[key] for u in per_prompt) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                           for u in per_prompt)}
+    return total

@@ -1,0 +1,252 @@
+"""The OpenAI API through the official `openai` package against the real server: structured
+output, tool calls, logprobs, n, /v1/completions, and every unsupported field refused."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.server_harness import ServerProcess, post_json
+
+CHAT = [{"role": "user", "content": "hello"}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+# Bounded everywhere: a random model would write one string or number forever.
+TINY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tags"],
+               "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                              "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,30}$"},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    server = ServerProcess(None, log_dir=tmp_path_factory.mktemp("api-logs"))
+    yield server
+    assert server.stop() == 0, server.log_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama, tmp_path_factory):
+    server = ServerProcess(tiny_llama, "--max-choices", "4", log_dir=tmp_path_factory.mktemp("api-tiny-logs"))
+    yield server
+    assert server.stop() == 0, server.log_text()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(str(tiny_llama), num_kv_blocks=256)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+# ---- structured output ----------------------------------------------------------------
+
+def test_json_mode_answers_parse(default_server):
+    answer = client(default_server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Return a JSON object describing a cat: its name and color."}], max_tokens=150,
+        temperature=0, response_format={"type": "json_object"})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_answers_validate_on_the_default_model(default_server, temperature):
+    answer = client(default_server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Invent a person."}], max_tokens=60, n=3, seed=7,
+        temperature=temperature,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_answers_validate_on_a_tiny_random_model(tiny_server, temperature):
+    answer = client(tiny_server).chat.completions.create(
+        model="m", messages=CHAT, max_tokens=80, n=4, seed=1, temperature=temperature,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": TINY_SCHEMA}})
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), TINY_SCHEMA)
+
+
+def test_a_regex_and_a_choice_constrain_the_answer(default_server):
+    api = client(default_server)
+    phone = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Give me a phone number."}], max_tokens=20, temperature=1,
+        seed=3, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"}).choices[0].message.content
+    assert len(phone) == 14 and phone[0] == "(" and phone[4:6] == ") " and phone[9] == "-"
+    yes_no = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5, temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]}).choices[0].message.content
+    assert yes_no in ("yes", "no")
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "nope"),
+    ({"guided_regex": "a(b"}, "parenthesis"),
+    ({"guided_grammar": "root ::= ("}, "EBNF"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "not several"),
+])
+def test_a_spec_the_engine_cannot_compile_is_a_400_naming_it(tiny_server, body, words):
+    status, answer = post_json(tiny_server.url + "/v1/chat/completions", {"messages": CHAT, **body})
+    assert status == 400, answer
+    assert words in answer["error"]["message"]
+
+
+# ---- tools ----------------------------------------------------------------------------
+
+def test_a_named_tool_call_parses_and_its_arguments_validate(default_server):
+    answer = client(default_server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=80,
+        temperature=0, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_plain_call(default_server):
+    api = client(default_server)
+    request = dict(model="m", messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}],
+                   max_tokens=120, temperature=0, tools=[WEATHER], tool_choice="required")
+    plain = api.chat.completions.create(**request).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in api.chat.completions.create(**request, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
+            if part.id:
+                call["id"], call["name"] = part.id, part.function.name
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == plain.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in plain.message.tool_calls]
+    for call in calls.values():
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_a_tool_answer_goes_back_to_the_model(default_server):
+    api = client(default_server)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    answer = api.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content
+
+
+# ---- logprobs, n, completions ---------------------------------------------------------
+
+def test_logprobs_are_the_engines_own(tiny_server, offline):
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True))[0]
+    answer = client(tiny_server).chat.completions.create(
+        model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True})
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 8
+    for entry, token_id, offline_entry in zip(content, expected.token_ids, expected.logprobs):
+        assert entry.logprob == pytest.approx(offline_entry.sampled_logprob, abs=1e-5)
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the sampled token is the top one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert bytes(entry.bytes) == offline_text_bytes(offline, token_id)
+    streamed = [lp for chunk in client(tiny_server).chat.completions.create(
+        model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True,
+        extra_body={"ignore_eos": True}) if chunk.choices and chunk.choices[0].logprobs
+        for lp in chunk.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+
+
+def offline_text_bytes(offline, token_id: int) -> bytes:
+    from frontend.logprobs_format import LogprobFormatter
+
+    return LogprobFormatter(offline.tokenizer).token_bytes(token_id)
+
+
+def test_top_logprobs_over_the_maximum_is_a_400(tiny_server):
+    status, answer = post_json(tiny_server.url + "/v1/chat/completions",
+                               {"messages": CHAT, "logprobs": True, "top_logprobs": 21})
+    assert status == 400 and answer["error"]["param"] == "top_logprobs"
+
+
+def test_n_choices_share_one_prefill(tiny_server):
+    long_chat = [{"role": "user", "content": "tell me about the tiny model " * 20}]
+    hits_before = tiny_server.metric("antiphon_prefix_cache_hits_total")
+    answer = client(tiny_server).chat.completions.create(model="m", messages=long_chat, max_tokens=6, n=3,
+                                                         temperature=1.0, seed=5)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert len({c.message.content for c in answer.choices}) > 1  # seeds 5, 6, 7
+    prompt = answer.usage.prompt_tokens
+    assert 3 <= answer.usage.completion_tokens <= 18
+    hits = tiny_server.metric("antiphon_prefix_cache_hits_total") - hits_before
+    # The two siblings find the prompt's full blocks cached: one prefill, three decodes.
+    assert hits >= 2 * (prompt - 16), (hits, prompt)
+
+
+def test_completions_with_a_batch_of_prompts_equal_offline_greedy(tiny_server, offline):
+    prompts = ["hello there", [10, 20, 30, 40]]
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    answer = client(tiny_server).completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert [c.text for c in answer.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
+    echoed = client(tiny_server).completions.create(model="m", prompt="hello there", max_tokens=6, temperature=0,
+                                                    echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "hello there" + expected[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client(tiny_server).completions.create(
+        model="m", prompt="hello there", max_tokens=6, temperature=0, stream=True, logprobs=2,
+        extra_body={"ignore_eos": True}) if chunk.choices)
+    assert streamed == expected[0].text
+
+
+# ---- nothing silently ignored ---------------------------------------------------------
+
+@pytest.mark.parametrize("path,field,value", [
+    ("chat/completions", "store", True), ("chat/completions", "reasoning_effort", "high"),
+    ("chat/completions", "prediction", {"type": "content", "content": "x"}),
+    ("chat/completions", "web_search_options", {}), ("chat/completions", "service_tier", "flex"),
+    ("chat/completions", "functions", [{"name": "f"}]), ("chat/completions", "function_call", "auto"),
+    ("chat/completions", "verbosity", "low"), ("chat/completions", "made_up_field", 1),
+    ("completions", "suffix", "x"), ("completions", "best_of", 3), ("completions", "made_up_field", 1),
+])
+def test_each_unsupported_field_gets_its_400(tiny_server, path, field, value):
+    body = {"messages": CHAT} if path == "chat/completions" else {"prompt": "hi"}
+    status, answer = post_json(f"{tiny_server.url}/v1/{path}", {**body, field: value})
+    assert status == 400, answer
+    assert answer["error"]["code"] == "unsupported_parameter" and answer["error"]["param"] == field
+
+
+def test_an_unknown_nested_field_is_named(tiny_server):
+    status, answer = post_json(tiny_server.url + "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "hi", "mood": "happy"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[0].mood"
+
+
+def test_accept_unknown_fields_ignores_them(tiny_llama, tmp_path):
+    server = ServerProcess(tiny_llama, "--accept-unknown-fields", log_dir=tmp_path)
+    try:
+        status, answer = post_json(server.url + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi", "mood": "happy"}], "made_up": 1, "max_tokens": 3})
+        assert status == 200, answer
+        # Known fields are still checked.
+        status, answer = post_json(server.url + "/v1/chat/completions", {"messages": CHAT, "store": True})
+        assert status == 400
+    finally:
+        server.stop()
