@@ -20,6 +20,9 @@ class LogprobFormatter:
         self.tokenizer = tokenizer
         self._byte_of = _byte_level_alphabet() if _is_byte_level(tokenizer) else {}
         self.token_bytes = lru_cache(maxsize=1 << 16)(self._token_bytes)
+        # Special tokens (an EOS, a chat marker) are not part of the text answers show, so
+        # they have no entry either: the entries' bytes add up to the answer's text.
+        self.hidden_ids = frozenset(tokenizer.all_special_ids)
 
     def _token_bytes(self, token_id: int) -> bytes:
         symbol = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -34,6 +37,8 @@ class LogprobFormatter:
         """`logprobs` in a chat choice (or a streamed chunk's choice) for these tokens."""
         content = []
         for token_id, entry in zip(token_ids, logprobs):
+            if token_id in self.hidden_ids:
+                continue
             item = self._entry(token_id, entry.sampled_logprob)
             item["top_logprobs"] = [self._entry(top_id, value) for top_id, value in entry.top]
             content.append(item)
@@ -47,6 +52,8 @@ class LogprobFormatter:
         """`logprobs` of a completions choice; offsets count characters from `text_offset`."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in zip(token_ids, logprobs):
+            if token_id in self.hidden_ids:
+                continue
             text = self.token_text(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(_finite(entry.sampled_logprob))

@@ -45,7 +45,8 @@ from frontend.limits import EventRate
 from frontend.realtime_audio import (InputAudioBuffer, decode_client_audio, default_audio_settings,
                                      encode_client_audio, merged_audio_settings, new_turn_detector)
 from frontend.speech_recognition import transcribe
-from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
+from frontend.realtime_tools import FunctionCallStream, chat_tools, check_tools, constraint_of, conversation_messages
+from frontend.realtime_events import (UNSUPPORTED_SESSION_FIELDS, AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
                                       SessionUpdate, decode_client_event)
 
@@ -74,6 +75,7 @@ class RealtimeSession:
             "id": new_id("sess"), "object": "realtime.session", "type": "realtime", "model": state.model_name,
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
             "temperature": 0.8, "top_p": 1.0, "seed": None, "audio": default_audio_settings(),
+            "tools": [], "tool_choice": "auto", "include": None,
         }
         # Voice: the input audio buffer, the turn detector (server VAD, made when first needed),
         # the turn the user is speaking now (its item id and start), and for each spoken
@@ -154,7 +156,7 @@ class RealtimeSession:
             return
         event = None
         try:
-            event = decode_client_event(data)
+            event = decode_client_event(data, self.config.accept_unknown_fields)
             await self.handlers[type(event)](self, event)
         except InvalidInput as exc:
             event_id = event.event_id if event is not None else getattr(exc, "event_id", None)
@@ -168,12 +170,13 @@ class RealtimeSession:
     # ---- client events ----------------------------------------------------------------------
 
     async def on_session_update(self, event: SessionUpdate) -> None:
-        update = _settings(event.session)
+        update = _settings(event.session, "session")
         if "audio" in update.get("output_modalities", ()):
             self._require_voice("session.output_modalities")
         _check_modalities(update, "session.output_modalities")
         candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
+        await self._check_answer_settings(candidate, "session")
         # Instructions are templated into every response, like the items: they share the budget.
         grown = _text_bytes(candidate["instructions"]) - _text_bytes(self.session["instructions"])
         if self.conversation_bytes + grown > self.config.max_conversation_bytes:
@@ -199,7 +202,7 @@ class RealtimeSession:
         heard_ms = 0.0
         # Recognized only once the cheap checks pass (a session's events are handled one at
         # a time, so they still hold after it).
-        if any(part["type"] == "input_audio" for part in item["content"]):
+        if any(part["type"] == "input_audio" for part in item.get("content", ())):
             heard_ms = await self._transcribe_parts(item)
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
@@ -462,7 +465,7 @@ class RealtimeSession:
         if len(self.responses) >= self.config.max_concurrent_per_connection:
             raise InvalidInput(f"at most {self.config.max_concurrent_per_connection} responses at once "
                                "on one connection", "too_many_responses")
-        overrides = _settings(options)
+        overrides = _settings(options, "response")
         _check_modalities(overrides, "response.output_modalities")
         speaking = "audio" in overrides.get("output_modalities", self.session["output_modalities"])
         if speaking:
@@ -475,23 +478,31 @@ class RealtimeSession:
         else:
             items = list(self.items.values())
         params = _sampling(self.session, overrides, self.config.default_max_tokens, "response")
+        settings = {**self.session, **overrides}
+        constraint = await self._check_answer_settings(settings, "response")
+        if constraint is not None:
+            params = msgspec.structs.replace(params, structured_output=constraint[0])
+        if "response.output_text.logprobs" in (settings["include"] or ()):
+            params = msgspec.structs.replace(params, logprobs=0)
+        tools = chat_tools(settings["tools"]) or None
+        calls_tools = tools is not None and settings["tool_choice"] != "none"
         instructions = overrides.get("instructions", self.session["instructions"])
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
-        messages += [{"role": i["role"], "content": _item_content(i)} for i in items]
+        messages += conversation_messages(items, _item_content)
         try:
             lease = self.state.generation.admit(new_id("resp"))
         except AdmissionRefused as exc:
             raise InvalidInput(str(exc), exc.code) from None
         try:
             # Templated only once admitted: a flood of requests costs no template work.
-            prompt = await self.state.generation.chat_prompt(messages)
+            prompt = await self.state.generation.chat_prompt(messages, tools)
         except BaseException:
             lease.release()
             raise
         response_id = lease.request_id
         heard_ms = sum(self.heard_ms.get(i["id"], 0.0) for i in items)
         task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id, audio_out,
-                                                 heard_ms))
+                                                 heard_ms, calls_tools))
         # Bookkeeping that must happen however the task ends, even if it is cancelled
         # before it starts (a response.cancel right behind the response.create).
         lease.bind(task)
@@ -503,6 +514,19 @@ class RealtimeSession:
         # a task cancelled before its first step would never send its response.done. (Its lease
         # does not depend on this: `bind` releases it however the task ends.)
         await asyncio.sleep(0)
+
+    async def _check_answer_settings(self, settings: dict, where: str) -> tuple | None:
+        """Tools, tool_choice, response_format and include of a session or a response, checked
+        (grammars compiled off the loop); the constraint its answers get, if any."""
+        for value in settings["include"] or ():
+            if value != "response.output_text.logprobs":
+                raise InvalidInput(f"include {value!r} is not supported by this server (it can include "
+                                   "'response.output_text.logprobs')", "unsupported_parameter", f"{where}.include")
+        check_tools(settings, where, self.config.max_tools)
+        constraint = constraint_of(settings, where, self.config.max_grammar_bytes)
+        if constraint is not None:
+            await self.state.grammar_checker.check(*constraint)
+        return constraint
 
     def _forget_response(self, response_id: str) -> None:
         self.responses.pop(response_id, None)
@@ -539,8 +563,10 @@ class RealtimeSession:
 
     async def _respond(self, lease: RequestLease, prompt: list[int], params: SamplingParams,
                        in_conversation: bool, client_event_id: str | None, audio_out: dict | None = None,
-                       heard_ms: float = 0.0) -> None:
+                       heard_ms: float = 0.0, calls_tools: bool = False) -> None:
         response_id = lease.request_id
+        # Function calls the answer makes become output items of their own, after the message.
+        calls = FunctionCallStream(self.send, response_id, lambda: new_id("item")) if calls_tools else None
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
         speaking = audio_out is not None
@@ -589,16 +615,22 @@ class RealtimeSession:
             chunk = await first
             while chunk is not None:
                 last = chunk
-                if chunk.text:
-                    text += chunk.text
+                said = chunk.text
+                if calls is not None:
+                    said = await calls.feed(chunk.text, final=chunk.finish_reason is not None)
+                if said:
+                    text += said
                     if speaking:
                         if pump.done():  # the talker failed: the answer cannot be spoken
                             raise _VoiceFailed(pump.result() or "speech ended early")
                         await self.send({"type": "response.output_audio_transcript.delta", **where,
-                                         "delta": chunk.text})
-                        await self._speak(response_id, chunk.text, False, rate, speed)
-                    else:
-                        await self.send({"type": "response.output_text.delta", **where, "delta": chunk.text})
+                                         "delta": said})
+                        await self._speak(response_id, said, False, rate, speed)
+                if not speaking and (said or (params.logprobs is not None and chunk.token_ids)):
+                    delta = {"type": "response.output_text.delta", **where, "delta": said}
+                    if params.logprobs is not None:
+                        delta["logprobs"] = self._logprobs(chunk)
+                    await self.send(delta)
                 chunk = await anext(stream, None)
             if speaking:
                 await self._speak(response_id, "", True, rate, speed)
@@ -683,12 +715,22 @@ class RealtimeSession:
                 response["output"] = [item]
                 await self.send({"type": "response.output_item.done", "response_id": response_id,
                                  "output_index": 0, "item": item})
+            if calls is not None and calls.items:
+                await calls.close(response["status"] == "completed")
+                response["output"] = [item] + calls.items
+                if in_conversation:
+                    for call in calls.items:
+                        evicted += self._add_answer(call)
             for item_id in evicted:
                 await self.send({"type": "conversation.item.deleted", "item_id": item_id})
             await self.send({"type": "response.done", "response": response})
             # Only now: a response.create queued behind this one must not start (and announce
             # itself) before this response.done has gone out.
             self._forget_response(response_id)
+
+    def _logprobs(self, chunk) -> list[dict]:
+        entries = self.state.logprob_formatter.chat(chunk.token_ids, chunk.logprobs)["content"]
+        return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]} for e in entries]
 
     async def _speak(self, response_id: str, text: str, final: bool, rate: int, speed: float) -> None:
         try:
@@ -758,10 +800,18 @@ class _VoiceFailed(Exception):
         self.code = code
 
 
-def _settings(settings: SessionSettings) -> dict:
-    """The session fields a session.update / response.create sets, under their GA names."""
+def _settings(settings: SessionSettings, where: str) -> dict:
+    """The session fields a session.update / response.create sets, under their GA names; the
+    known fields it does not act on are refused when set to anything but a no-op."""
     given = {name: getattr(settings, name) for name in settings.__struct_fields__
              if getattr(settings, name) is not msgspec.UNSET}
+    for name, allowed in UNSUPPORTED_SESSION_FIELDS.items():
+        if given.get(name) is not None and given[name] not in allowed:
+            raise InvalidInput(f"{where}.{name} is not supported by this server", "unsupported_parameter",
+                               f"{where}.{name}")
+    for name in ("tools", "tool_choice", "response_format"):
+        if name in given:
+            given[name] = msgspec.to_builtins(given[name])
     if "max_response_output_tokens" in given:  # beta name
         given.setdefault("max_output_tokens", given.pop("max_response_output_tokens"))
     if "modalities" in given:  # beta name
@@ -769,10 +819,14 @@ def _settings(settings: SessionSettings) -> dict:
     return {name: value for name, value in given.items() if name in SESSION_FIELDS}
 
 
-SESSION_FIELDS = ("output_modalities", "instructions", "max_output_tokens", "temperature", "top_p", "seed")
+SESSION_FIELDS = ("output_modalities", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "tools",
+                  "tool_choice", "response_format", "include")
 
 
 def _message_item(item: MessageItem, takes_images: bool) -> dict:
+    if item.type != "message":
+        return {"id": item.id or new_id("item"), "object": "realtime.item", "type": item.type, "status": "completed",
+                **item.function_fields()}
     parts = item.parts()  # refuses parts of other types
     if not takes_images and any(part["type"] == "input_image" for part in parts):
         raise InvalidInput("this model takes no images", "unsupported_content_type", "item.content")
@@ -850,6 +904,8 @@ def _text_bytes(text: str) -> int:
 
 
 def _item_bytes(item: dict) -> int:
+    if item["type"] != "message":
+        return sum(_text_bytes(item.get(name) or "") for name in ("name", "arguments", "output"))
     return sum(len(part["image_url"]) if part["type"] == "input_image" else _text_bytes(_part_text(part))
                for part in item["content"])
 

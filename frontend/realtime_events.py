@@ -12,13 +12,16 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from frontend.edge_decoding import Count, InvalidInput, Number, Seed, decode_json
+from frontend.edge_decoding import Count, InvalidInput, Number, Seed
+from frontend.realtime_tools import RealtimeTool, ToolChoice
+from frontend.request_fields import decode_request
+from frontend.structured_output import ResponseFormat
 
 TEXT_PART_TYPES = ("input_text", "text", "output_text")
 MaxOutputTokens = Count | Literal["inf"]
 
 
-class MessagePart(msgspec.Struct):
+class MessagePart(msgspec.Struct, forbid_unknown_fields=True):
     """Text, or (in a user message) an image as a data URL (the media limits apply later) or
     audio (base64 in the session's input format; its transcript becomes the text)."""
 
@@ -29,14 +32,35 @@ class MessagePart(msgspec.Struct):
     transcript: str | None = None
 
 
-class MessageItem(msgspec.Struct, kw_only=True):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "assistant"]
-    content: Annotated[list[MessagePart], msgspec.Meta(min_length=1, max_length=4096)]
+class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A conversation item: a message, a function call the model made, or its output."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "assistant"] | None = None
+    content: Annotated[list[MessagePart], msgspec.Meta(min_length=1, max_length=4096)] | None = None
     id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    object: Literal["realtime.item"] | None = None
+    status: str | None = None
+    # function_call and function_call_output items.
+    call_id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+    def function_fields(self) -> dict:
+        """A function_call / function_call_output item's own fields, checked."""
+        needed = ("call_id", "name", "arguments") if self.type == "function_call" else ("call_id", "output")
+        for name in needed:
+            if getattr(self, name) is None:
+                raise InvalidInput(f"a {self.type} item needs {name!r}", "invalid_value", f"item.{name}")
+        if self.role is not None or self.content is not None:
+            raise InvalidInput(f"a {self.type} item has no role or content", "invalid_value", "item.content")
+        return {name: getattr(self, name) for name in needed}
 
     def parts(self) -> list[dict]:
         """The parts as dicts; a part of an unsupported type or without its field is refused."""
+        if self.role is None or self.content is None:
+            raise InvalidInput("a message item needs a role and content", "invalid_value", "item")
         parts = []
         for part in self.content:
             if part.type in TEXT_PART_TYPES:
@@ -102,7 +126,7 @@ class SessionAudio(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     output: AudioOutput | UnsetType = UNSET
 
 
-class SessionSettings(msgspec.Struct, kw_only=True):
+class SessionSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str | UnsetType = UNSET
     model: str | UnsetType = UNSET
     output_modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(max_length=2)] | UnsetType = UNSET
@@ -120,10 +144,34 @@ class SessionSettings(msgspec.Struct, kw_only=True):
     turn_detection: TurnDetection | None | UnsetType = UNSET
     input_audio_transcription: Transcription | None | UnsetType = UNSET
     voice: Annotated[str, msgspec.Meta(max_length=64)] | UnsetType = UNSET
+    # Function calling (frontend/realtime_tools.py), and structured output (an extension).
+    tools: Annotated[list[RealtimeTool], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
+    tool_choice: ToolChoice | UnsetType = UNSET
+    response_format: ResponseFormat | None | UnsetType = UNSET
+    # Extras in events: "response.output_text.logprobs" (an extension: each text delta with
+    # its tokens' logprobs); OpenAI's "item.input_audio_transcription.logprobs" is refused.
+    include: Annotated[list[str], msgspec.Meta(max_length=8)] | None | UnsetType = UNSET
+    # Refused unless they ask for what the server does anyway (UNSUPPORTED_SESSION_FIELDS).
+    truncation: str | dict | None | UnsetType = UNSET
+    tracing: str | dict | None | UnsetType = UNSET
+    prompt: dict | None | UnsetType = UNSET
+    input_audio_noise_reduction: dict | None | UnsetType = UNSET
+    # Echoed back by clients that send the session object they were given: ignored.
+    id: str | UnsetType = UNSET
+    object: str | UnsetType = UNSET
+    expires_at: int | UnsetType = UNSET
+
+
+# Session fields this server knows but does not act on, with the values that ask for nothing
+# it lacks (UNSET and None always do): older items are dropped when the conversation is full,
+# which is truncation "auto".
+UNSUPPORTED_SESSION_FIELDS = {"truncation": ("auto",), "tracing": (), "prompt": (),
+                              "input_audio_noise_reduction": ()}
 
 
 class ResponseOptions(SessionSettings, kw_only=True):
     conversation: Literal["auto", "none"] | UnsetType = UNSET
+    metadata: dict[str, str] | None | UnsetType = UNSET
     input: Annotated[list[MessageItem], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
 
 
@@ -188,9 +236,9 @@ class _Envelope(msgspec.Struct):
     event_id: str | None = None
 
 
-def decode_client_event(data: bytes | str) -> ClientEvent:
+def decode_client_event(data: bytes | str, accept_unknown_fields: bool = False) -> ClientEvent:
     try:
-        return decode_json(data, ClientEvent, "event")
+        return decode_request(data, ClientEvent, accept_unknown_fields, "event")
     except InvalidInput as exc:
         envelope = _envelope(data)
         if exc.code == "invalid_value" and exc.param == "type":

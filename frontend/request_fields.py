@@ -52,6 +52,8 @@ def _drop_unknown(value, info, path: str, dropped: list[str]):
         for key, item in value.items():
             if key in fields:
                 kept[key] = _drop_unknown(item, fields[key], f"{path}.{key}", dropped)
+            elif key == info.tag_field:
+                kept[key] = item
             else:
                 dropped.append(f"{path}.{key}".lstrip("."))
         return kept
@@ -60,9 +62,13 @@ def _drop_unknown(value, info, path: str, dropped: list[str]):
     if isinstance(info, msgspec.inspect.UnionType):
         # The struct member of a union (messages' content: a string or a list of parts).
         wanted = msgspec.inspect.StructType if isinstance(value, dict) else msgspec.inspect.ListType
-        for member in info.types:
-            if isinstance(_unwrapped(member), wanted):
-                return _drop_unknown(value, member, path, dropped)
+        candidates = [member for member in info.types if isinstance(_unwrapped(member), wanted)]
+        # A tagged union (Realtime events): the member its tag names.
+        tagged = [member for member in candidates if isinstance(value, dict)
+                  and _unwrapped(member).tag_field is not None
+                  and value.get(_unwrapped(member).tag_field) == _unwrapped(member).tag]
+        for member in tagged or candidates:
+            return _drop_unknown(value, member, path, dropped)
         return value
     if isinstance(info, msgspec.inspect.Metadata):
         return _drop_unknown(value, info.type, path, dropped)

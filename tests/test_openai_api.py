@@ -1,11 +1,13 @@
 """The OpenAI API through the official `openai` package against the real server: structured
 output, tool calls, logprobs, n, /v1/completions, and every unsupported field refused."""
 
+import asyncio
 import json
 
 import jsonschema
 import openai
 import pytest
+import websockets
 
 from engine import LLM, SamplingParams
 from tests.server_harness import ServerProcess, post_json
@@ -250,3 +252,76 @@ def test_accept_unknown_fields_ignores_them(tiny_llama, tmp_path):
         assert status == 400
     finally:
         server.stop()
+
+
+# ---- Realtime: function calls, structured output, logprobs --------------------------------
+
+async def realtime_turn(ws, *events) -> list[dict]:
+    """Send `events`, then read until response.done (or an error); the events received."""
+    for event in events:
+        await ws.send(json.dumps(event))
+    received = []
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        received.append(event)
+        if event["type"] in ("response.done", "error"):
+            return received
+
+
+async def test_realtime_function_call_round_trip(default_server):
+    async with websockets.connect(default_server.ws_url) as ws:
+        await ws.recv()  # session.created
+        tool = {"type": "function", **{k: v for k, v in WEATHER["function"].items()}}
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0.0}}))
+        assert json.loads(await ws.recv())["type"] == "session.updated"
+        events = await realtime_turn(
+            ws, {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What is the weather in Paris?"}]}},
+            {"type": "response.create"})
+        kinds = [e["type"] for e in events]
+        assert "error" not in kinds, events
+        added = [e for e in events if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"]
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+        (done,) = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+        assert len(added) == 1 and added[0]["item"]["name"] == "get_weather"
+        assert deltas == done["arguments"] and done["call_id"] == added[0]["item"]["call_id"]
+        jsonschema.validate(json.loads(done["arguments"]), WEATHER["function"]["parameters"])
+        response = events[-1]["response"]
+        assert response["status"] == "completed"
+        assert [o["type"] for o in response["output"]] == ["message", "function_call"]
+        # The tool's answer goes back; the next response may not call again and says something.
+        events = await realtime_turn(
+            ws, {"type": "conversation.item.create", "item": {"type": "function_call_output",
+                                                               "call_id": done["call_id"],
+                                                               "output": '{"temperature": 21, "sky": "sunny"}'}},
+            {"type": "response.create", "response": {"tool_choice": "none", "max_output_tokens": 30}})
+        assert events[-1]["type"] == "response.done", events[-1]
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text and not any(e["type"].startswith("response.function_call") for e in events)
+
+
+async def test_realtime_structured_output_and_logprobs(default_server):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    async with websockets.connect(default_server.ws_url) as ws:
+        await ws.recv()
+        events = await realtime_turn(ws, {"type": "response.create", "response": {
+            "conversation": "none", "temperature": 0.0, "include": ["response.output_text.logprobs"],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            "input": [{"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Is water wet?"}]}]}})
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        text = "".join(e["delta"] for e in deltas)
+        jsonschema.validate(json.loads(text), schema)
+        logprobs = [lp for e in deltas for lp in e["logprobs"]]
+        assert logprobs and all(lp["logprob"] <= 0 for lp in logprobs)
+        assert b"".join(bytes(lp["bytes"]) for lp in logprobs).decode() == text
+        # Unknown and unsupported session fields are refused by name.
+        await ws.send(json.dumps({"type": "session.update", "session": {"made_up": 1}}))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["error"]["code"] == "unsupported_parameter"
+        assert error["error"]["param"] == "session.made_up"
+        await ws.send(json.dumps({"type": "session.update", "session": {"tracing": "auto"}}))
+        error = json.loads(await ws.recv())
+        assert error["error"]["code"] == "unsupported_parameter" and error["error"]["param"] == "session.tracing"

@@ -68,7 +68,7 @@ class ScriptedGeneration:
     def admit(self, request_id: str):
         return self.admission.admit(self.engine, request_id)
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return [1, 2, 3]
 
     async def stream(self, lease, prompt, params, cache_salt=None):
