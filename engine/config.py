@@ -49,6 +49,8 @@ class EngineConfig:
     encoder_cache_size: int | None = None
     # A request whose item the encoder has not delivered after this long fails.
     encoder_timeout_s: float = 60.0
+    # A request whose grammar (structured output) has not compiled after this long fails.
+    grammar_timeout_s: float = 30.0
     # The global cross-request encoder cache (off: every ask of the decoder runs the tower;
     # for measuring what the cache saves).
     enable_encoder_cache: bool = True
@@ -82,6 +84,8 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if not self.encoder_cache_gib >= 0:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if not self.encoder_timeout_s > 0:
             raise ValueError(f"encoder_timeout_s must be > 0, got {self.encoder_timeout_s}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -12,6 +12,7 @@ as without; a request that finishes in step N may have computed one wasted token
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.config import EngineConfig, resolve_sizes
@@ -46,6 +47,13 @@ class EngineCore:
     def add_request(self, request: Request, items: list | None = None) -> None:
         """`items`: the request's preprocessed multimodal items, one per placeholder."""
         self._check_has_encoder(request)
+        spec = request.sampling_params.structured_output
+        if spec is not None:
+            grammars = getattr(self.executor, "grammars", None)
+            if grammars is None:
+                raise ValueError("this engine has no grammar engine for structured output")
+            # Compiled on the grammar engine's own thread; the request waits in the queue.
+            request.grammar, request.grammar_asked_at = grammars.submit(spec), time.monotonic()
         self.scheduler.add_request(request)
         if request.mm_placeholders:
             self.embedding_source.register(request.request_id, items or [])

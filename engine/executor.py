@@ -62,6 +62,9 @@ class Executor(Protocol):
     # Where item embeddings come from when the encoder runs in this process (the offline
     # LLM); None when another process delivers them (the decoder process) or for text.
     embedding_source: "EmbeddingSource | None"
+    # Structured output: an engine.grammars.GrammarCompiler the core submits specs to (the
+    # runner builds its matchers from the same compiles), or None without a grammar engine.
+    grammars: object | None
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the KV pool; called once, before the first step."""

@@ -17,11 +17,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.sampling_params import StructuredOutput
 
-# Compiled grammars kept per process (xgrammar's own cache, bounded by bytes).
+# Compiled grammars kept per process (xgrammar's own cache, bounded by bytes), and the
+# compile futures the decoder remembers (a preempted request finds its grammar again).
 GRAMMAR_CACHE_BYTES = 256 << 20
+RECENT_COMPILES = 64
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
@@ -43,9 +47,14 @@ class GrammarCompiler:
         self._threads = threads
         self._compiler = None
         self._lock = threading.Lock()
+        self._tables_lock = threading.Lock()
+        # Compiles run here, never on a step's thread: a slow grammar delays only the
+        # requests that wait for it.
+        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._recent: OrderedDict[StructuredOutput, Future] = OrderedDict()
 
     def _xgrammar_compiler(self):
-        with self._lock:
+        with self._tables_lock:
             if self._compiler is None:
                 import xgrammar
 
@@ -55,10 +64,25 @@ class GrammarCompiler:
                                                           cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
 
+    def submit(self, spec: StructuredOutput) -> Future:
+        """The compiled grammar, later (its exception: GrammarError)."""
+        with self._lock:
+            future = self._recent.get(spec)
+            if future is None:
+                future = self._recent[spec] = self._compiling.submit(self.compile, spec)
+                if len(self._recent) > RECENT_COMPILES:
+                    self._recent.popitem(last=False)
+            else:
+                self._recent.move_to_end(spec)
+            return future
+
+    def close(self) -> None:
+        self._compiling.shutdown(wait=False, cancel_futures=True)
+
     def compile(self, spec: StructuredOutput):
         """The compiled grammar (an xgrammar CompiledGrammar); raises GrammarError."""
-        compiler = self._xgrammar_compiler()
         try:
+            compiler = self._xgrammar_compiler()
             if spec.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
@@ -70,7 +94,7 @@ class GrammarCompiler:
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
             return compiler.compile_grammar(spec.spec)
-        except RuntimeError as exc:
+        except Exception as exc:  # xgrammar raises RuntimeError, ValueError, MemoryError...
             raise GrammarError(f"cannot compile the {_KIND_NAMES[spec.kind]}: {_clean(exc)}") from None
 
     def matcher(self, compiled, stop_token_ids: list[int]):

@@ -72,6 +72,10 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Structured output: the compile of the request's grammar (a Future); it is not
+    # scheduled before that is done, and fails if the compile fails. When it was asked for.
+    grammar: object | None = None
+    grammar_asked_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -7,6 +7,7 @@ must never fail later, after it was registered.
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 
@@ -17,6 +18,8 @@ MAX_COUNT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # Top log-probabilities any process computes per token; the frontend's --max-logprobs is lower.
 MAX_LOGPROBS = 1024
+# logit_bias entries per request (OpenAI allows 300; each costs a little on every step).
+MAX_LOGIT_BIAS = 1024
 # A stop string's length is text held back from streaming, and searched again per token.
 MAX_STOP_STRING_LENGTH = 1024
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -39,6 +42,9 @@ class StructuredOutput(msgspec.Struct, frozen=True):
         _check(self.kind in STRUCTURED_KINDS, "structured_output.kind", self.kind, f"must be one of {STRUCTURED_KINDS}")
         _check(isinstance(self.spec, str) and len(self.spec) <= MAX_SPEC_CHARS, "structured_output.spec",
                self.spec, f"must be a string of at most {MAX_SPEC_CHARS} characters")
+        if self.kind == "choice":
+            _check(_is_choice_list(self.spec), "structured_output.spec", self.spec,
+                   "must be a JSON list of non-empty strings for kind choice")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -87,10 +93,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                "must be a 64-bit integer, in [-2**63, 2**64 - 1]")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                f"must be between 0 and {MAX_LOGPROBS}")
-        _check(isinstance(self.logit_bias, dict) and all(
+        _check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
             _is_int(t) and 0 <= t <= MAX_COUNT and isinstance(b, (int, float)) and not isinstance(b, bool)
             and -100 <= b <= 100 for t, b in self.logit_bias.items()), "logit_bias", self.logit_bias,
-            "must map token ids to numbers in [-100, 100]")
+            f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                "structured_output", self.structured_output, "must be a StructuredOutput")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
@@ -115,6 +121,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _is_choice_list(spec: str) -> bool:
+    try:
+        choices = json.loads(spec)
+    except ValueError:
+        return False
+    return isinstance(choices, list) and bool(choices) and all(isinstance(c, str) and c for c in choices)
 
 
 def _is_int(value) -> bool:

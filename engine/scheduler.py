@@ -11,6 +11,7 @@ token it sampled. When the KV pool runs dry the newest running request is preemp
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -196,6 +197,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a step in flight: its token must arrive first
+            if request.grammar is not None and not self._grammar_ready(request):
+                if not request.status.finished:  # still compiling: the others go first
+                    awaiting_embeddings.append(self.waiting.popleft())
+                continue
             cached_blocks = []
             if request.num_computed_tokens == 0:
                 cached_blocks = self.kv.find_cached_prefix(request)
@@ -284,8 +289,9 @@ class Scheduler:
                                 f"{self.kv.pool.num_usable_blocks}; raise num_kv_blocks or lower max_tokens")
 
     def _guard_against_stall(self, out: SchedulerOutput) -> None:
-        # Waiting on the encoder is not a stall: encoder_timeout_s bounds that wait.
-        if out.num_scheduled_tokens or not self.waiting or self.embeddings.num_in_flight:
+        # Waiting on the encoder or on a grammar is not a stall: their timeouts bound the wait.
+        if (out.num_scheduled_tokens or not self.waiting or self.embeddings.num_in_flight
+                or self.waiting_on_grammar):
             self.stalled_steps = 0
             return
         self.stalled_steps += 1
@@ -294,6 +300,27 @@ class Scheduler:
             self.stalled_steps = 0
             self._fail(request, f"request made no progress for {self.config.max_stalled_steps} "
                                 f"steps (KV blocks free: {self.kv.pool.num_free_blocks})")
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """True once the request's grammar compiled. A failed or overdue compile fails the
+        request (taken off the queue's head) and returns False."""
+        grammar = request.grammar
+        if grammar.done():
+            if grammar.exception() is None:
+                return True
+            message = str(grammar.exception())
+        elif time.monotonic() - request.grammar_asked_at > self.config.grammar_timeout_s:
+            message = (f"the grammar did not compile within {self.config.grammar_timeout_s:g} s "
+                       "(grammar_timeout_s)")
+        else:
+            return False
+        self.waiting.popleft()
+        self._fail(request, message)
+        return False
+
+    @property
+    def waiting_on_grammar(self) -> bool:
+        return any(r.grammar is not None and not r.grammar.done() for r in self.waiting)
 
     def _fail(self, request: Request, message: str) -> None:
         logger.error("request %s failed: %s", request.request_id, message)

@@ -4,6 +4,7 @@ preemption; a grammar that allows every token it meets changes nothing (greedy p
 transformers); a spec that cannot compile fails its request only."""
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -107,3 +108,58 @@ def test_compile_errors_say_what_is_wrong(llm):
                         (StructuredOutput("grammar", "root ::= ("), "EBNF")]:
         with pytest.raises(GrammarError, match=words):
             compiler.compile(spec)
+
+
+def test_a_slow_grammar_delays_only_its_own_request(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=256)
+    engine = llm.engine
+    grammars = engine.core.executor.grammars
+    # The compile is held until the free request is done: however slow a grammar is, the
+    # others' steps go on (the compile has its own thread; the request waits in the queue).
+    release = threading.Event()
+    real_compile = grammars.compile
+    grammars.compile = lambda spec: (release.wait(30), real_compile(spec))[1]
+    prompt = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    slow = engine.add_request(prompt, constrained("regex", "[a-z]{4}", temperature=0, max_tokens=4))
+    free = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = {slow: 0, free: 0}
+    outcome = {}
+    while free not in outcome:
+        for out in engine.step():
+            tokens[out.request_id] += len(out.new_token_ids)
+            if out.finished:
+                outcome[out.request_id] = out
+    assert tokens[free] == 12 and tokens[slow] == 0
+    release.set()
+    while slow not in outcome:
+        for out in engine.step():
+            if out.finished:
+                outcome[out.request_id] = out
+    assert outcome[slow].error is None and len(outcome[slow].text) == 4 and outcome[slow].text.isalpha()
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, grammar_timeout_s=0.2)
+    grammars = llm.engine.core.executor.grammars
+    release = threading.Event()
+    real_compile = grammars.compile
+    grammars.compile = lambda spec: (release.wait(30), real_compile(spec))[1]
+    prompt = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    try:
+        slow, free = llm.generate([prompt, prompt], [constrained("regex", "[a-z]+"),
+                                                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+    finally:
+        release.set()
+    assert slow.finish_reason == "error" and "grammar_timeout_s" in slow.error
+    assert free.finish_reason == "length"
+
+
+def test_ignore_eos_after_a_complete_answer_adds_only_stop_tokens(llm):
+    prompt = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    out = llm.generate([prompt], constrained("json_schema", json.dumps(SCHEMA), temperature=1.0, seed=4,
+                                             ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 80
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    eos = llm.tokenizer.eos_token_id
+    first_eos = out.token_ids.index(eos)
+    assert set(out.token_ids[first_eos:]) == {eos}

@@ -43,6 +43,7 @@ FIRST_TOKEN_HANDOFF_MS = 2
 # With work that waits only on the encoder, the loop wakes on any message or after this long
 # (to run the scheduler's timeout checks).
 WAIT_FOR_ENCODER_MS = 100
+GRAMMAR_POLL_MS = 2
 
 
 class DecoderWorker:
@@ -97,8 +98,9 @@ class DecoderWorker:
                 gave_first_tokens = self._step()
                 timeout = self.handoff_ms if gave_first_tokens else 0
                 if self.core.last_step_was_empty:
-                    # Every request waits for the encoder: sleep until something arrives.
-                    timeout = WAIT_FOR_ENCODER_MS
+                    # Every request waits for the encoder (sleep until something arrives) or
+                    # for its grammar to compile (milliseconds: look again soon).
+                    timeout = GRAMMAR_POLL_MS if self.core.scheduler.waiting_on_grammar else WAIT_FOR_ENCODER_MS
             else:
                 timeout = IDLE_POLL_MS
                 if self.remote_encoder is not None:

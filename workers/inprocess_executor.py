@@ -42,13 +42,14 @@ class InProcessExecutor:
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.is_accelerated = device.type == "cuda"
+        self.grammars = GrammarCompiler(lambda: load_tokenizer(path), self.vocab_size)
         self.runner: ModelRunner | None = None
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         spec = self.kv_cache_spec
         self.runner = ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
                                                            spec.num_kv_heads, spec.head_dim), self.adapter,
-                                  GrammarCompiler(lambda: load_tokenizer(self.path), self.vocab_size))
+                                  self.grammars)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
@@ -56,6 +57,7 @@ class InProcessExecutor:
     def close(self) -> None:
         if self.runner is not None and self.runner.structured is not None:
             self.runner.structured.close()
+        self.grammars.close()
         self.runner = None
 
 

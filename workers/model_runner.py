@@ -137,9 +137,12 @@ class ModelRunner:
         rows = [states[i] for i in batch.sample_rows]
         # The grammar masks of this step are filled on another thread while the model runs.
         masks = None
-        if self.structured is not None and rows:
-            masks = self.structured.start_step([(request_ids[row], state.token_ids[state.num_prompt_tokens:])
-                                                for row, state in zip(batch.sample_rows, rows)])
+        if self.structured is not None and self.structured.requests:
+            constrained = [(index, request_ids[row], state.token_ids, state.num_prompt_tokens)
+                           for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
+                           if request_ids[row] in self.structured.requests]
+            if constrained:
+                masks = self.structured.start_step(len(rows), constrained)
         with step_metadata(batch.attention):
             logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
                                   logits_to_keep=batch.logits_index).logits[0]

@@ -1,12 +1,13 @@
 """Grammar-constrained sampling in the model runner: one matcher per constrained request,
 and one token bitmask per step for the whole batch.
 
-A request's grammar is compiled on a background thread as soon as the runner first sees the
-request, so compiling overlaps its prefill. Each step, the bitmask of the rows that sample
-is filled on that thread too, started before the forward pass and collected just before
-sampling: the masks are made while the model runs. The matchers follow the runner's own
-token lists (the tokens sampled so far, also those replayed after a preemption), so they
-stay right with asynchronous scheduling, where the runner is the one that knows the tokens.
+Grammars are compiled by the engine's GrammarCompiler on its own thread; the scheduler does
+not schedule a request before its grammar is ready, so here the compile is always done. Each
+step, the bitmask of the constrained rows is filled on a second thread, started before the
+forward pass and collected just before sampling: the masks are made while the model runs,
+and a slow compile never delays them. The matchers follow the runner's own token lists (the
+tokens sampled so far, also those replayed after a preemption), so they stay right with
+asynchronous scheduling, where the runner is the one that knows the tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammars import GrammarCompiler, GrammarError
+from engine.grammars import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +30,14 @@ class ConstrainedRequest:
     matcher: object | None = None
     # Output tokens the matcher has taken; it catches up with the runner's list each step.
     num_accepted: int = 0
-    # The grammar is complete (a stop token was taken) or was left: no more masking.
-    done: bool = False
-    error: str | None = None
+    # The grammar is complete: only a stop token may follow (also past an ignored EOS).
+    ended: bool = False
 
 
 @dataclass
 class StepMasks:
-    """The step's bitmask ([rows, vocab/32] int32) and which of its rows are constrained."""
+    """The step's bitmask ([rows, vocab/32] int32; unconstrained rows allow everything), the
+    rows it constrains, and the rows whose grammar failed (row -> why)."""
 
     bitmask: torch.Tensor
     rows: list[int]
@@ -47,61 +48,51 @@ class StructuredDecoding:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.requests: dict[str, ConstrainedRequest] = {}
-        # One thread: compiles and mask fills run in order, beside the forward pass.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._filling = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def add(self, request_id: str, params, eos_token_ids) -> None:
-        spec = params.structured_output
-        if spec is None:
-            return
         stops = sorted(set(eos_token_ids) | set(params.stop_token_ids))
-        self.requests[request_id] = ConstrainedRequest(self._thread.submit(self.compiler.compile, spec), stops)
+        self.requests[request_id] = ConstrainedRequest(self.compiler.submit(params.structured_output), stops)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def start_step(self, rows: list[tuple[str, list[int]]]) -> Future | None:
-        """Start filling the masks of the rows about to sample: (request id, its output
-        tokens so far) in sampling order. None when no row is constrained."""
-        if not any(request_id in self.requests for request_id, _ in rows):
-            return None
-        return self._thread.submit(self._fill, rows)
+    def start_step(self, num_rows: int, rows: list[tuple[int, str, list[int], int]]) -> Future:
+        """Start filling the masks of a step that samples `num_rows` rows; `rows`: the
+        constrained ones, as (row, request id, its token list, its prompt length)."""
+        return self._filling.submit(self._fill, num_rows, rows)
 
-    def _fill(self, rows: list[tuple[str, list[int]]]) -> StepMasks:
+    def _fill(self, num_rows: int, rows: list[tuple[int, str, list[int], int]]) -> StepMasks:
         import xgrammar
 
-        bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        bitmask = xgrammar.allocate_token_bitmask(num_rows, self.compiler.vocab_size)
         masked, errors = [], {}
-        for index, (request_id, output_tokens) in enumerate(rows):
-            state = self.requests.get(request_id)
-            if state is None or state.done:
-                continue
+        for row, request_id, token_ids, num_prompt_tokens in rows:
+            state = self.requests[request_id]
             try:
-                self._catch_up(state, output_tokens)
-            except GrammarError as exc:
-                state.done, state.error = True, str(exc)
-            if state.error is not None:
-                errors[index] = state.error
+                self._catch_up(state, token_ids, num_prompt_tokens)
+                if state.ended:
+                    _allow_only(bitmask[row], state.stop_token_ids)
+                else:
+                    state.matcher.fill_next_token_bitmask(bitmask, row)
+            except Exception as exc:  # one request's grammar failing never fails the step
+                errors[row] = f"structured output failed: {exc}"
+                logger.error("request %s: %s", request_id, errors[row])
                 continue
-            if state.done:
-                continue
-            state.matcher.fill_next_token_bitmask(bitmask, index)
-            masked.append(index)
+            masked.append(row)
         return StepMasks(bitmask, masked, errors)
 
-    def _catch_up(self, state: ConstrainedRequest, output_tokens: list[int]) -> None:
+    def _catch_up(self, state: ConstrainedRequest, token_ids: list[int], num_prompt_tokens: int) -> None:
         if state.matcher is None:
             state.matcher = self.compiler.matcher(state.compiled.result(), state.stop_token_ids)
         matcher = state.matcher
-        for token_id in output_tokens[state.num_accepted:]:
+        for token_id in token_ids[num_prompt_tokens + state.num_accepted:]:
             state.num_accepted += 1
-            if matcher.is_terminated() or not matcher.accept_token(token_id):
-                # Only after the grammar ended (a stop token the request ignores, as with
-                # ignore_eos): what follows is free.
-                state.done = True
-                return
-        if matcher.is_terminated():
-            state.done = True
+            if state.ended:
+                continue  # stop tokens the request ignores (ignore_eos)
+            if not matcher.accept_token(token_id):
+                raise ValueError(f"token {token_id} does not fit the grammar")
+            state.ended = matcher.is_terminated()
 
     @staticmethod
     def apply(logits: torch.Tensor, masks: StepMasks) -> None:
@@ -110,10 +101,17 @@ class StructuredDecoding:
             return
         import xgrammar
 
-        vocab = logits.shape[-1]
         bitmask = masks.bitmask.to(logits.device, non_blocking=True)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=masks.rows)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=masks.rows)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._filling.shutdown(wait=False, cancel_futures=True)
 
+
+def _allow_only(bitmask_row: torch.Tensor, token_ids: list[int]) -> None:
+    bitmask_row.zero_()
+    for token_id in token_ids:
+        if token_id // 32 < bitmask_row.numel():
+            # int32 bit 31 is the sign bit: set it through a wrapped value.
+            word = int(bitmask_row[token_id // 32]) | (1 << (token_id % 32))
+            bitmask_row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
