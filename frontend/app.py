@@ -107,7 +107,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
                                              config.max_prompt_tokens, state.metrics, adapter, config.media_limits(),
                                              state.client.ready["decoder"].encoder_budget)
-        state.grammar_checker = GrammarChecker(tokenizer, state.client.ready["decoder"].vocab_size)
+        state.grammar_checker = GrammarChecker(tokenizer, state.client.ready["decoder"].vocab_size,
+                                               config.grammar_compile_timeout_s)
         state.logprob_formatter = LogprobFormatter(tokenizer)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "

@@ -95,11 +95,12 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, TextChunk]]:
         else:
             queue.put_nowait((choice.index, _ENDED))
 
-    for choice in choices:
-        yield choice.index, choice.first
-    live = [choice for choice in choices if choice.first.finish_reason is None]
-    pumps = [asyncio.ensure_future(pump(choice)) for choice in live]
+    pumps = []
     try:
+        for choice in choices:
+            yield choice.index, choice.first
+        live = [choice for choice in choices if choice.first.finish_reason is None]
+        pumps = [asyncio.ensure_future(pump(choice)) for choice in live]
         remaining = len(live)
         while remaining:
             index, item = await queue.get()

@@ -124,6 +124,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-choices", type=int, default=16, help="largest n (choices per request)")
     group.add_argument("--max-grammar-bytes", type=int, default=64 << 10,
                        help="largest JSON schema, regex, choice list or grammar of a structured-output request")
+    group.add_argument("--grammar-compile-timeout", type=float, default=10.0, dest="grammar_compile_timeout_s",
+                       help="a schema or grammar that takes longer to compile is refused (400 grammar_too_complex)")
     group.add_argument("--max-tools", type=int, default=128, help="tools one request may offer")
     group.add_argument("--max-prompts-per-request", type=int, default=64,
                        help="prompts in one /v1/completions batch")
@@ -216,7 +218,8 @@ def _serve(args) -> int:
             max_conversation_items=args.max_conversation_items,
             max_conversation_bytes=args.max_conversation_bytes, max_events_per_second=args.max_events_per_second,
             max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs, max_choices=args.max_choices,
-            max_grammar_bytes=args.max_grammar_bytes, max_tools=args.max_tools,
+            max_grammar_bytes=args.max_grammar_bytes, grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            max_tools=args.max_tools,
             max_prompts_per_request=args.max_prompts_per_request, accept_unknown_fields=args.accept_unknown_fields,
             header_timeout_s=args.header_timeout_s,
             body_timeout_s=args.body_timeout_s, idle_timeout_s=args.idle_timeout_s,

@@ -19,7 +19,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.sampling_params import StructuredOutput
 from frontend.admission import AdmissionRefused
 from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
@@ -31,9 +30,9 @@ from frontend.limits import bearer_token, cache_salt
 from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, unless_disconnected,
                                   usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
-from frontend.structured_output import structured_output_of
+from frontend.structured_output import check_logit_bias, forced_call_grammar, named_choice, structured_output_of
 from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
-                                 tool_call_grammar, tool_calls_json, validate_tools)
+                                 tool_calls_json, validate_tools)
 
 
 @dataclass
@@ -122,17 +121,17 @@ class ChatCompletions:
         params = body.sampling_params(config.default_max_tokens, config.max_stop_strings, config.max_logprobs,
                                       config.max_choices)
         n = body.n or 1
+        check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         tools = self._tools(body)
         constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
                                           body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
-        # A named function is called once; "required" may call several unless told otherwise.
-        parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
-        grammar = tool_call_grammar(tools, _choice_dict(body.tool_choice), parallel) if tools else None
+        grammar = await forced_call_grammar(tools, body.tool_choice, body.parallel_tool_calls,
+                                            config.max_grammar_bytes) if tools else None
         if grammar is not None:
             if constraint is not None:
                 raise InvalidInput(f"{constraint[1]} cannot be combined with a tool_choice that forces a tool call",
                                    "invalid_value", constraint[1])
-            constraint = (StructuredOutput("grammar", grammar), "tool_choice")
+            constraint = (grammar, "tool_choice")
         if constraint is not None:
             await state.grammar_checker.check(*constraint)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
@@ -160,7 +159,7 @@ class ChatCompletions:
         if len(tools) > self.state.config.max_tools:
             raise InvalidInput(f"at most {self.state.config.max_tools} tools (--max-tools)", "invalid_value", "tools")
         try:
-            validate_tools(tools, _choice_dict(body.tool_choice))
+            validate_tools(tools, named_choice(body.tool_choice))
         except ToolSpecError as exc:
             raise InvalidInput(str(exc), "invalid_value", exc.param) from None
         # tool_choice "none": the model sees the tools but may not call them.
@@ -280,7 +279,7 @@ class ChatCompletions:
                     if len(last_chunks) == len(choices) and include_usage:
                         out.append(sse_data({"id": request_id, "object": "chat.completion.chunk", "created": created,
                                              "model": self.state.model_name, "choices": [],
-                                             "usage": usage_of(list(last_chunks.values()))}))
+                                             "usage": usage_of([last_chunks[i] for i in sorted(last_chunks)])}))
                 if out and len(last_chunks) < len(choices):
                     yield "".join(out)
                     out = []
@@ -342,8 +341,3 @@ class ChatCompletions:
                 yield [sse_data({"error": {"message": str(exc), "type": "server_error", "code": "voice_unavailable"}})]
                 return
             yield [event(0, {"audio": {"id": spoken.id, "data": base64.b64encode(pcm).decode()}}) for pcm in pieces]
-
-
-def _choice_dict(tool_choice):
-    return msgspec.to_builtins(tool_choice) if tool_choice is not None and not isinstance(tool_choice, str) \
-        else tool_choice

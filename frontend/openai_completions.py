@@ -21,6 +21,7 @@ from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
+from frontend.openai_chat import check_logit_bias
 from frontend.limits import bearer_token, cache_salt
 from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, usage_of,
                                   wait_for_disconnect)
@@ -83,6 +84,7 @@ class Completions:
         body = decode_request(body_bytes, CompletionRequest, config.accept_unknown_fields)
         body.check_supported()
         params = body.sampling_params(config.max_stop_strings, config.max_logprobs, config.max_choices)
+        check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
                                           body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
         if constraint is not None:
@@ -165,7 +167,9 @@ class Completions:
                     break
                 if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
                     choice = self._choice(index, chunk.text, [chunk], body, offsets[index], chunk.finish_reason)
-                    offsets[index] += len(chunk.text)
+                    # Offsets follow the tokens (a chunk's text may lag behind its tokens).
+                    logprobs = choice["logprobs"]
+                    offsets[index] += sum(map(len, logprobs["tokens"])) if logprobs else len(chunk.text)
                     out.append(event(choice))
                 if chunk.finish_reason is not None:
                     last_chunks[index] = chunk

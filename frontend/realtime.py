@@ -523,7 +523,7 @@ class RealtimeSession:
                 raise InvalidInput(f"include {value!r} is not supported by this server (it can include "
                                    "'response.output_text.logprobs')", "unsupported_parameter", f"{where}.include")
         check_tools(settings, where, self.config.max_tools)
-        constraint = constraint_of(settings, where, self.config.max_grammar_bytes)
+        constraint = await constraint_of(settings, where, self.config.max_grammar_bytes)
         if constraint is not None:
             await self.state.grammar_checker.check(*constraint)
         return constraint

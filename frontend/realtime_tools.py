@@ -17,8 +17,8 @@ import msgspec
 
 from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
-from frontend.structured_output import ResponseFormat, structured_output_of
-from frontend.tool_calls import StreamingToolCallParser, ToolCallDelta, ToolSpecError, tool_call_grammar, validate_tools
+from frontend.structured_output import ResponseFormat, forced_call_grammar, structured_output_of
+from frontend.tool_calls import StreamingToolCallParser, ToolCallDelta, ToolSpecError, validate_tools
 
 
 class RealtimeTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -56,7 +56,7 @@ def check_tools(settings: dict, where: str, max_tools: int) -> None:
         raise InvalidInput(str(exc), "invalid_value", f"{where}.{param}") from None
 
 
-def constraint_of(settings: dict, where: str, max_grammar_bytes: int) -> tuple[StructuredOutput, str] | None:
+async def constraint_of(settings: dict, where: str, max_grammar_bytes: int) -> tuple[StructuredOutput, str] | None:
     """What a response's text must match: a forced tool call, or the response_format."""
     tools, choice = settings.get("tools") or [], settings.get("tool_choice", "auto")
     response_format = settings.get("response_format")
@@ -65,13 +65,14 @@ def constraint_of(settings: dict, where: str, max_grammar_bytes: int) -> tuple[S
         spec, _ = structured_output_of(msgspec.convert(response_format, ResponseFormat),
                                        max_bytes=max_grammar_bytes) or (None, None)
         constraint = (spec, f"{where}.response_format") if spec is not None else None
-    grammar = tool_call_grammar(chat_tools(tools), chat_tool_choice(choice), choice == "required") if tools else None
+    grammar = await forced_call_grammar(chat_tools(tools), chat_tool_choice(choice), None,
+                                        max_grammar_bytes) if tools else None
     if grammar is None:
         return constraint
     if constraint is not None:
         raise InvalidInput("response_format cannot be combined with a tool_choice that forces a call",
                            "invalid_value", f"{where}.response_format")
-    return StructuredOutput("grammar", grammar), f"{where}.tool_choice"
+    return grammar, f"{where}.tool_choice"
 
 
 def conversation_messages(items: list[dict], message_content) -> list[dict]:

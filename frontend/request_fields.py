@@ -37,7 +37,8 @@ def decode_request(data: bytes, type_, accept_unknown_fields: bool, what: str = 
     raw = decode_json(data, object, what)
     dropped: list[str] = []
     kept = _drop_unknown(raw, msgspec.inspect.type_info(type_), "", dropped)
-    logger.info("ignored unknown request fields: %s", ", ".join(dropped[:20]))
+    # Client-chosen names: a few, each cut short, repr-escaped.
+    logger.info("ignored unknown request fields: %s", ", ".join(repr(name[:64]) for name in dropped[:8]))
     try:
         return msgspec.convert(kept, type_)
     except msgspec.ValidationError as exc:

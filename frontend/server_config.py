@@ -53,6 +53,7 @@ class ServerConfig:
     max_logprobs: int = 20
     max_choices: int = 16
     max_grammar_bytes: int = 64 << 10
+    grammar_compile_timeout_s: float = 10.0
     max_tools: int = 128
     max_prompts_per_request: int = 64
     accept_unknown_fields: bool = False
@@ -110,11 +111,14 @@ class ServerConfig:
                      "max_tools", "max_prompts_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 1 <= self.max_grammar_bytes <= 1 << 20:
+            raise ValueError("max_grammar_bytes must be in [1, 1 MiB]")
         if not 0 <= self.max_logprobs <= 1024:
             raise ValueError("max_logprobs must be in [0, 1024]")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
-        for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_events_per_second"):
+        for name in ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "max_events_per_second",
+                     "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         # An idle worker beats once a second: a shorter timeout would kill healthy workers.

@@ -10,6 +10,7 @@ admitted; specs that compiled are remembered so the next request skips the threa
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from typing import Annotated, Literal
@@ -20,9 +21,15 @@ import msgspec
 from engine.grammars import GrammarCompiler, GrammarError
 from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
+from frontend.tool_calls import ToolSpecError, tool_call_grammar
 
-# Specs known to compile, remembered per frontend (keys only: the decoder keeps the grammars).
-KNOWN_GOOD_SPECS = 4096
+# Specs known to compile, and ones that took too long, remembered per frontend by digest.
+KNOWN_SPECS = 4096
+# A spec that takes longer than --grammar-compile-timeout to compile is refused (xgrammar
+# cannot be interrupted: its thread finishes in the background, and the same spec is
+# refused at once after that).
+# Specs compiling at once (each holds a thread until done, even past its deadline).
+MAX_COMPILING = 2
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,23 +89,66 @@ def structured_output_of(response_format: ResponseFormat | None = None, guided_j
     return spec, param
 
 
-class GrammarChecker:
-    """Compiles specs off the event loop, one at a time (a flood of huge schemas takes one
-    thread, not the pool), and remembers the ones that compiled."""
+async def forced_call_grammar(tools: list[dict], tool_choice, parallel_tool_calls: bool | None,
+                              max_bytes: int) -> StructuredOutput | None:
+    """The grammar that forces a tool call ("required" or a named function), built off the
+    loop (one JSON schema conversion per tool) and bounded like any client grammar."""
+    # A named function is called once; "required" may call several unless told otherwise.
+    parallel = tool_choice == "required" and parallel_tool_calls is not False
+    try:
+        grammar = await anyio.to_thread.run_sync(tool_call_grammar, tools, named_choice(tool_choice), parallel)
+    except ToolSpecError as exc:
+        raise InvalidInput(str(exc), "invalid_value", exc.param) from None
+    if grammar is None:
+        return None
+    if len(grammar.encode()) > max_bytes:
+        raise InvalidInput(f"the grammar forcing this tool call is over {max_bytes} bytes (--max-grammar-bytes); "
+                           "offer fewer or smaller tools", "invalid_value", "tools")
+    return StructuredOutput("grammar", grammar)
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+
+def check_logit_bias(params, vocab_size: int) -> None:
+    if any(token_id >= vocab_size for token_id in params.logit_bias):
+        raise InvalidInput(f"logit_bias names a token id outside the vocabulary of {vocab_size}", "invalid_value",
+                           "logit_bias")
+
+
+def named_choice(tool_choice):
+    """tool_choice as frontend/tool_calls.py takes it: a string, or a named function as a dict."""
+    return msgspec.to_builtins(tool_choice) if tool_choice is not None and not isinstance(tool_choice, str) \
+        else tool_choice
+
+
+class GrammarChecker:
+    """Compiles specs off the event loop, a few at a time (a flood of huge schemas takes two
+    threads, not the pool), each within a deadline, and remembers the outcome by digest."""
+
+    def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0) -> None:
         self.compiler = GrammarCompiler(lambda: tokenizer, vocab_size)
-        self._limiter = anyio.CapacityLimiter(1)
-        self._good: OrderedDict[StructuredOutput, None] = OrderedDict()
+        self.deadline_s = deadline_s
+        self._limiter = anyio.CapacityLimiter(MAX_COMPILING)
+        # digest -> None (compiled) or the refusal's message.
+        self._known: OrderedDict[bytes, str | None] = OrderedDict()
 
     async def check(self, spec: StructuredOutput, param: str) -> None:
-        if spec in self._good:
-            self._good.move_to_end(spec)
+        key = hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).digest()
+        if key in self._known:
+            self._known.move_to_end(key)
+            if self._known[key] is not None:
+                raise InvalidInput(self._known[key], "grammar_too_complex", param)
             return
-        try:
-            await anyio.to_thread.run_sync(self.compiler.compile, spec, limiter=self._limiter)
-        except GrammarError as exc:
-            raise InvalidInput(str(exc), "invalid_grammar", param) from None
-        self._good[spec] = None
-        if len(self._good) > KNOWN_GOOD_SPECS:
-            self._good.popitem(last=False)
+        with anyio.move_on_after(self.deadline_s) as deadline:
+            try:
+                await anyio.to_thread.run_sync(self.compiler.compile, spec, limiter=self._limiter,
+                                               abandon_on_cancel=True)
+            except GrammarError as exc:
+                raise InvalidInput(str(exc), "invalid_grammar", param) from None
+        outcome = None
+        if deadline.cancelled_caught:
+            outcome = (f"the {param} did not compile within {self.deadline_s:g} s; simplify it (fewer rules, "
+                       "no maxLength)")
+        self._known[key] = outcome
+        if len(self._known) > KNOWN_SPECS:
+            self._known.popitem(last=False)
+        if outcome is not None:
+            raise InvalidInput(outcome, "grammar_too_complex", param)

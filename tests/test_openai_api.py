@@ -182,6 +182,18 @@ def offline_text_bytes(offline, token_id: int) -> bytes:
     return LogprobFormatter(offline.tokenizer).token_bytes(token_id)
 
 
+def test_logit_bias_steers_and_out_of_vocabulary_ids_are_400s(tiny_server, offline):
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    banned = expected.token_ids[0]
+    answer = client(tiny_server).chat.completions.create(
+        model="m", messages=CHAT, max_tokens=4, temperature=0, logit_bias={str(banned): -100},
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert answer.choices[0].model_extra["token_ids"][0] != banned
+    status, body = post_json(tiny_server.url + "/v1/chat/completions",
+                             {"messages": CHAT, "logit_bias": {"99999999": 5}})
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+
+
 def test_top_logprobs_over_the_maximum_is_a_400(tiny_server):
     status, answer = post_json(tiny_server.url + "/v1/chat/completions",
                                {"messages": CHAT, "logprobs": True, "top_logprobs": 21})
@@ -193,13 +205,18 @@ def test_n_choices_share_one_prefill(tiny_server):
     hits_before = tiny_server.metric("antiphon_prefix_cache_hits_total")
     answer = client(tiny_server).chat.completions.create(model="m", messages=long_chat, max_tokens=6, n=3,
                                                          temperature=1.0, seed=5)
-    assert [c.index for c in answer.choices] == [0, 1, 2]
-    assert len({c.message.content for c in answer.choices}) > 1  # seeds 5, 6, 7
-    prompt = answer.usage.prompt_tokens
-    assert 3 <= answer.usage.completion_tokens <= 18
     hits = tiny_server.metric("antiphon_prefix_cache_hits_total") - hits_before
+    prompt = answer.usage.prompt_tokens
     # The two siblings find the prompt's full blocks cached: one prefill, three decodes.
     assert hits >= 2 * (prompt - 16), (hits, prompt)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert 3 <= answer.usage.completion_tokens <= 18
+    # Choice i is what a single request with seed 5 + i answers.
+    for index, choice in enumerate(answer.choices):
+        single = client(tiny_server).chat.completions.create(model="m", messages=long_chat, max_tokens=6,
+                                                             temperature=1.0, seed=5 + index)
+        assert single.choices[0].message.content == choice.message.content
+    assert len({c.message.content for c in answer.choices}) > 1
 
 
 def test_completions_with_a_batch_of_prompts_equal_offline_greedy(tiny_server, offline):
@@ -212,10 +229,18 @@ def test_completions_with_a_batch_of_prompts_equal_offline_greedy(tiny_server, o
     echoed = client(tiny_server).completions.create(model="m", prompt="hello there", max_tokens=6, temperature=0,
                                                     echo=True, extra_body={"ignore_eos": True})
     assert echoed.choices[0].text == "hello there" + expected[0].text
-    streamed = "".join(chunk.choices[0].text for chunk in client(tiny_server).completions.create(
+    chunks = [chunk.choices[0] for chunk in client(tiny_server).completions.create(
         model="m", prompt="hello there", max_tokens=6, temperature=0, stream=True, logprobs=2,
-        extra_body={"ignore_eos": True}) if chunk.choices)
-    assert streamed == expected[0].text
+        extra_body={"ignore_eos": True}) if chunk.choices]
+    assert "".join(c.text for c in chunks) == expected[0].text
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    assert "".join(tokens) == expected[0].text and offsets[0] == 0
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert all(len(top) == 2 for c in chunks for top in c.logprobs.top_logprobs)
+    # Usage of a batch counts each prompt once and every choice.
+    assert answer.usage.completion_tokens == 4 * 6
+    assert answer.usage.prompt_tokens == len(offline.tokenizer.encode("hello there")) + 4
 
 
 # ---- nothing silently ignored ---------------------------------------------------------
@@ -241,9 +266,19 @@ def test_an_unknown_nested_field_is_named(tiny_server):
     assert status == 400 and answer["error"]["param"] == "messages[0].mood"
 
 
-def test_accept_unknown_fields_ignores_them(tiny_llama, tmp_path):
-    server = ServerProcess(tiny_llama, "--accept-unknown-fields", log_dir=tmp_path)
+def test_accept_unknown_fields_ignores_them_and_slow_grammars_are_refused(tiny_llama, tmp_path):
+    server = ServerProcess(tiny_llama, "--accept-unknown-fields", "--grammar-compile-timeout", "0.01",
+                           "--max-grammar-bytes", "200000", "--max-message-bytes", "400000",
+                           log_dir=tmp_path)
     try:
+        # A grammar that compiles in ~0.1 s is over this server's deadline: refused, the
+        # second time at once.
+        slow = "\n".join(["root ::= r0"] + [f"r{i} ::= [a-z] r{i + 1} | [a-z]" for i in range(3000)]
+                         + ['r3000 ::= "x"'])
+        for _ in range(2):
+            status, answer = post_json(server.url + "/v1/chat/completions",
+                                       {"messages": CHAT, "guided_grammar": slow, "max_tokens": 3})
+            assert status == 400 and answer["error"]["code"] == "grammar_too_complex", answer
         status, answer = post_json(server.url + "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "hi", "mood": "happy"}], "made_up": 1, "max_tokens": 3})
         assert status == 200, answer
