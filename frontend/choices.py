@@ -81,6 +81,20 @@ async def collect(choice: Choice) -> list[TextChunk]:
     return chunks
 
 
+async def collect_unless_gone(gone: asyncio.Future, choices: list[Choice]) -> list[list[TextChunk]] | None:
+    """Every choice's chunks, or None if the client went away first (generation then stops
+    at once); the choices are closed either way."""
+    collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
+    try:
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collecting.done():
+            collecting.cancel()
+        await asyncio.gather(collecting, return_exceptions=True)
+        await close_choices(choices)
+    return None if collecting.cancelled() else collecting.result()
+
+
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, TextChunk]]:
     """(choice index, chunk) from every choice as they come, the first chunks first; each
     choice's chunks in order, ending with its last. Closing this closes every choice."""

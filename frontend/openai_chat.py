@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from frontend.admission import AdmissionRefused
 from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
-from frontend.choices import Choice, admit_choices, close_choices, collect, merged, params_per_choice, start_choices
+from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.generation import TextChunk
@@ -177,17 +177,9 @@ class ChatCompletions:
     async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, choices: list[Choice],
                                             plan: ChatPlan, spoken: SpokenAnswer | None) -> Response:
         """The whole answer; if the client goes away meanwhile, generation stops at once."""
-        collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
-        try:
-            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not collecting.done():
-                collecting.cancel()
-            await asyncio.gather(collecting, return_exceptions=True)
-            await close_choices(choices)
-        if collecting.cancelled():
+        all_chunks = await collect_unless_gone(gone, choices)
+        if all_chunks is None:
             return Response(status_code=499)  # nobody is listening any more
-        all_chunks = collecting.result()
         for chunks in all_chunks:
             if chunks[-1].finish_reason == "error":
                 return error_response(500, chunks[-1].error or "generation failed", "engine_error",

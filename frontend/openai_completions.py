@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend.admission import AdmissionRefused
-from frontend.choices import Choice, admit_choices, close_choices, collect, merged, params_per_choice, start_choices
+from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
 from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
@@ -111,17 +111,9 @@ class Completions:
 
     async def _complete(self, gone, request_id: str, choices: list[Choice], body: CompletionRequest,
                         echoes: list[str], n: int) -> Response:
-        collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
-        try:
-            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not collecting.done():
-                collecting.cancel()
-            await asyncio.gather(collecting, return_exceptions=True)
-            await close_choices(choices)
-        if collecting.cancelled():
-            return Response(status_code=499)
-        all_chunks = collecting.result()
+        all_chunks = await collect_unless_gone(gone, choices)
+        if all_chunks is None:
+            return Response(status_code=499)  # nobody is listening any more
         out = []
         for index, chunks in enumerate(all_chunks):
             last = chunks[-1]
