@@ -30,6 +30,8 @@ class MessagePart(msgspec.Struct, forbid_unknown_fields=True):
     image_url: str | None = None
     audio: str | None = None
     transcript: str | None = None
+    # An image's detail: only "auto" (the model's own preprocessing decides the resolution).
+    detail: Literal["auto"] | None = None
 
 
 class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
