@@ -26,6 +26,9 @@ from engine.sampling_params import StructuredOutput
 # compile futures the decoder remembers (a preempted request finds its grammar again).
 GRAMMAR_CACHE_BYTES = 256 << 20
 RECENT_COMPILES = 64
+# Compiles at once in the decoder: as many as the frontend lets through (one slow grammar
+# does not queue every other behind it).
+COMPILE_THREADS = 2
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the client needs the rest.
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
@@ -50,7 +53,7 @@ class GrammarCompiler:
         self._tables_lock = threading.Lock()
         # Compiles run here, never on a step's thread: a slow grammar delays only the
         # requests that wait for it.
-        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiling = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._recent: OrderedDict[StructuredOutput, Future] = OrderedDict()
 
     def _xgrammar_compiler(self):

@@ -233,6 +233,7 @@ class Scheduler:
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_ids=request.eos_token_ids,
+                grammar=request.grammar,
             ))
             self.known_to_runner.add(request.request_id)
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -306,9 +307,9 @@ class Scheduler:
         request (taken off the queue's head) and returns False."""
         grammar = request.grammar
         if grammar.done():
-            if grammar.exception() is None:
+            if not grammar.cancelled() and grammar.exception() is None:
                 return True
-            message = str(grammar.exception())
+            message = "the grammar engine shut down" if grammar.cancelled() else str(grammar.exception())
         elif time.monotonic() - request.grammar_asked_at > self.config.grammar_timeout_s:
             message = (f"the grammar did not compile within {self.config.grammar_timeout_s:g} s "
                        "(grammar_timeout_s)")

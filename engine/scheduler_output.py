@@ -23,8 +23,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
-    # Where a structured answer may end (its grammar allows these once it is complete).
+    # Where a structured answer may end (its grammar allows these once it is complete), and
+    # its compiled grammar (a done Future: the scheduler waited for it; in-process only).
     eos_token_ids: tuple[int, ...] = ()
+    grammar: object | None = None
 
 
 @dataclass

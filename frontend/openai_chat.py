@@ -30,7 +30,8 @@ from frontend.limits import bearer_token, cache_salt
 from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, unless_disconnected,
                                   usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
-from frontend.structured_output import check_logit_bias, forced_call_grammar, named_choice, structured_output_of
+from frontend.structured_output import (GrammarBusy, check_logit_bias, forced_call_grammar, named_choice,
+                                       structured_output_of)
 from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
                                  tool_calls_json, validate_tools)
 
@@ -64,6 +65,9 @@ class ChatCompletions:
             plan = await self._plan(body_bytes)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
+        except GrammarBusy as exc:
+            return error_response(429, str(exc), "grammar_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
         except VoiceBusy as exc:
             return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
                                   headers={"Retry-After": "1"})

@@ -26,7 +26,7 @@ from frontend.limits import bearer_token, cache_salt
 from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, usage_of,
                                   wait_for_disconnect)
 from frontend.request_fields import decode_request
-from frontend.structured_output import structured_output_of
+from frontend.structured_output import GrammarBusy, structured_output_of
 
 
 class Completions:
@@ -42,6 +42,9 @@ class Completions:
             body, params, prompts = await self._check(body_bytes)
         except InvalidInput as exc:
             return error_response(400, str(exc), exc.code, exc.param)
+        except GrammarBusy as exc:
+            return error_response(429, str(exc), "grammar_busy", error_type="rate_limit_error",
+                                  headers={"Retry-After": "1"})
         n = body.n or 1
         try:
             leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))

@@ -45,6 +45,7 @@ from frontend.limits import EventRate
 from frontend.realtime_audio import (InputAudioBuffer, decode_client_audio, default_audio_settings,
                                      encode_client_audio, merged_audio_settings, new_turn_detector)
 from frontend.speech_recognition import transcribe
+from frontend.structured_output import GrammarBusy
 from frontend.realtime_tools import FunctionCallStream, chat_tools, check_tools, constraint_of, conversation_messages
 from frontend.realtime_events import (UNSUPPORTED_SESSION_FIELDS, AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
@@ -525,7 +526,10 @@ class RealtimeSession:
         check_tools(settings, where, self.config.max_tools)
         constraint = await constraint_of(settings, where, self.config.max_grammar_bytes)
         if constraint is not None:
-            await self.state.grammar_checker.check(*constraint)
+            try:
+                await self.state.grammar_checker.check(*constraint)
+            except GrammarBusy as exc:
+                raise InvalidInput(str(exc), "grammar_busy", constraint[1]) from None
         return constraint
 
     def _forget_response(self, response_id: str) -> None:
@@ -626,9 +630,11 @@ class RealtimeSession:
                         await self.send({"type": "response.output_audio_transcript.delta", **where,
                                          "delta": said})
                         await self._speak(response_id, said, False, rate, speed)
-                if not speaking and (said or (params.logprobs is not None and chunk.token_ids)):
+                # Logprobs go with text that is shown as it is (not a tool call's, not held back).
+                with_logprobs = params.logprobs is not None and chunk.token_ids and said == chunk.text
+                if not speaking and (said or with_logprobs):
                     delta = {"type": "response.output_text.delta", **where, "delta": said}
-                    if params.logprobs is not None:
+                    if with_logprobs:
                         delta["logprobs"] = self._logprobs(chunk)
                     await self.send(delta)
                 chunk = await anext(stream, None)
@@ -718,9 +724,10 @@ class RealtimeSession:
             if calls is not None and calls.items:
                 await calls.close(response["status"] == "completed")
                 response["output"] = [item] + calls.items
-                if in_conversation:
+                if in_conversation:  # a call cut short is not part of the conversation
                     for call in calls.items:
-                        evicted += self._add_answer(call)
+                        if call["status"] == "completed":
+                            evicted += self._add_answer(call)
             for item_id in evicted:
                 await self.send({"type": "conversation.item.deleted", "item_id": item_id})
             await self.send({"type": "response.done", "response": response})

@@ -63,6 +63,10 @@ class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The parts as dicts; a part of an unsupported type or without its field is refused."""
         if self.role is None or self.content is None:
             raise InvalidInput("a message item needs a role and content", "invalid_value", "item")
+        for name in ("call_id", "name", "arguments", "output"):
+            if getattr(self, name) is not None:
+                raise InvalidInput(f"a message item has no {name!r} (that is a function_call item's)",
+                                   "invalid_value", f"item.{name}")
         parts = []
         for part in self.content:
             if part.type in TEXT_PART_TYPES:

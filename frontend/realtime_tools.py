@@ -123,17 +123,19 @@ class FunctionCallStream:
         return "".join(said)
 
     async def _call_delta(self, delta: ToolCallDelta) -> None:
+        # Recorded only once sent: a cancel between two sends leaves the items and their
+        # arguments as the client saw them, and close() matches that.
         if delta.id is not None:
             item = {"id": self.new_item_id(), "object": "realtime.item", "type": "function_call",
                     "status": "in_progress", "call_id": delta.id, "name": delta.name, "arguments": ""}
-            self.items.append(item)
             await self.send({"type": "response.output_item.added", "response_id": self.response_id,
-                             "output_index": self._index(item), "item": dict(item)})
+                             "output_index": self.first_output_index + len(self.items), "item": dict(item)})
+            self.items.append(item)
         item = self.items[delta.index]
         if delta.arguments:
-            item["arguments"] += delta.arguments
             await self.send({"type": "response.function_call_arguments.delta", **self._where(item),
                              "delta": delta.arguments})
+            item["arguments"] += delta.arguments
 
     async def close(self, completed: bool) -> None:
         """Every call's closing events; a call cut short (cancelled, length) is incomplete."""

@@ -10,9 +10,11 @@ admitted; specs that compiled are remembered so the next request skips the threa
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
 import anyio
@@ -25,10 +27,8 @@ from frontend.tool_calls import ToolSpecError, tool_call_grammar
 
 # Specs known to compile, and ones that took too long, remembered per frontend by digest.
 KNOWN_SPECS = 4096
-# A spec that takes longer than --grammar-compile-timeout to compile is refused (xgrammar
-# cannot be interrupted: its thread finishes in the background, and the same spec is
-# refused at once after that).
-# Specs compiling at once (each holds a thread until done, even past its deadline).
+# Specs compiling at once in the frontend (each holds its thread until done, even past its
+# deadline, when the same spec is then refused at once).
 MAX_COMPILING = 2
 
 
@@ -120,13 +120,17 @@ def named_choice(tool_choice):
 
 
 class GrammarChecker:
-    """Compiles specs off the event loop, a few at a time (a flood of huge schemas takes two
-    threads, not the pool), each within a deadline, and remembers the outcome by digest."""
+    """Compiles specs off the event loop, each within a deadline, and remembers the outcome
+    by digest. At most MAX_COMPILING compiles run at once, each holding its slot until its
+    thread really ends (xgrammar cannot be interrupted: a compile past its deadline finishes
+    in the background). With every slot taken a new spec is refused at once as busy (429,
+    not remembered); the deadline counts only the spec's own compile."""
 
     def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0) -> None:
         self.compiler = GrammarCompiler(lambda: tokenizer, vocab_size)
         self.deadline_s = deadline_s
-        self._limiter = anyio.CapacityLimiter(MAX_COMPILING)
+        self._threads = ThreadPoolExecutor(MAX_COMPILING, thread_name_prefix="grammar-check")
+        self._running = 0
         # digest -> None (compiled) or the refusal's message.
         self._known: OrderedDict[bytes, str | None] = OrderedDict()
 
@@ -137,14 +141,18 @@ class GrammarChecker:
             if self._known[key] is not None:
                 raise InvalidInput(self._known[key], "grammar_too_complex", param)
             return
-        with anyio.move_on_after(self.deadline_s) as deadline:
-            try:
-                await anyio.to_thread.run_sync(self.compiler.compile, spec, limiter=self._limiter,
-                                               abandon_on_cancel=True)
-            except GrammarError as exc:
-                raise InvalidInput(str(exc), "invalid_grammar", param) from None
-        outcome = None
-        if deadline.cancelled_caught:
+        if self._running >= MAX_COMPILING:
+            raise GrammarBusy("the server is compiling other grammars; retry in a moment")
+        self._running += 1
+        loop = asyncio.get_running_loop()
+        compiling = self._threads.submit(self.compiler.compile, spec)
+        compiling.add_done_callback(lambda _: loop.call_soon_threadsafe(self._compile_ended))
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiling)), self.deadline_s)
+            outcome = None
+        except GrammarError as exc:
+            raise InvalidInput(str(exc), "invalid_grammar", param) from None
+        except TimeoutError:
             outcome = (f"the {param} did not compile within {self.deadline_s:g} s; simplify it (fewer rules, "
                        "no maxLength)")
         self._known[key] = outcome
@@ -152,3 +160,10 @@ class GrammarChecker:
             self._known.popitem(last=False)
         if outcome is not None:
             raise InvalidInput(outcome, "grammar_too_complex", param)
+
+    def _compile_ended(self) -> None:
+        self._running -= 1
+
+
+class GrammarBusy(Exception):
+    """Every compile slot is taken: the client should retry (429)."""

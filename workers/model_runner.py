@@ -88,7 +88,7 @@ class ModelRunner:
                 self.structured.remove(request_id)
         for new in sched.new_requests:
             if new.sampling_params.structured_output is not None:
-                self._structured().add(new.request_id, new.sampling_params, new.eos_token_ids)
+                self._structured().add(new.request_id, new.sampling_params, new.eos_token_ids, new.grammar)
             state = self.requests[new.request_id] = RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),

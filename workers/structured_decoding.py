@@ -1,8 +1,9 @@
 """Grammar-constrained sampling in the model runner: one matcher per constrained request,
 and one token bitmask per step for the whole batch.
 
-Grammars are compiled by the engine's GrammarCompiler on its own thread; the scheduler does
-not schedule a request before its grammar is ready, so here the compile is always done. Each
+Grammars are compiled by the engine's GrammarCompiler on its own threads; the scheduler does
+not schedule a request before its grammar is ready and hands the runner that compile, so
+here it is always done. Each
 step, the bitmask of the constrained rows is filled on a second thread, started before the
 forward pass and collected just before sampling: the masks are made while the model runs,
 and a slow compile never delays them. The matchers follow the runner's own token lists (the
@@ -50,9 +51,12 @@ class StructuredDecoding:
         self.requests: dict[str, ConstrainedRequest] = {}
         self._filling = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
-    def add(self, request_id: str, params, eos_token_ids) -> None:
+    def add(self, request_id: str, params, eos_token_ids, compiled: Future | None = None) -> None:
+        """`compiled`: the compile the scheduler waited for (done); None compiles it here."""
         stops = sorted(set(eos_token_ids) | set(params.stop_token_ids))
-        self.requests[request_id] = ConstrainedRequest(self.compiler.submit(params.structured_output), stops)
+        if compiled is None:
+            compiled = self.compiler.submit(params.structured_output)
+        self.requests[request_id] = ConstrainedRequest(compiled, stops)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
