@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from frontend.edge_decoding import Count, InvalidInput, Number, Seed
+from frontend.edge_decoding import Count, InvalidInput
+from frontend.request_common import CommonRequestFields
 from frontend.request_fields import refuse_unsupported
-from frontend.structured_output import ResponseFormat
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 TEXT_PART_TYPES = ("text", "input_text")
@@ -106,12 +106,6 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return [part.as_dict() for part in self.content]
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = True
-    # Random padding against length side channels: not added by this server (refused if true).
-    include_obfuscation: bool | None = None
-
-
 class AudioOutput(msgspec.Struct, forbid_unknown_fields=True):
     voice: Annotated[str, msgspec.Meta(max_length=64)]  # every name speaks with the server's voice
     format: Literal["wav", "pcm16"]
@@ -145,42 +139,17 @@ UNSUPPORTED = {"store": (False,), "service_tier": ("auto", "default"), "reasonin
                "verbosity": (), "prediction": (), "web_search_options": (), "functions": (), "function_call": ()}
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(CommonRequestFields, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=65536)]
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: Count | None = None
-    min_p: Number | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None
-    logit_bias: dict[str, Number] | None = None
-    n: Count | None = None
-    max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    stop: str | Annotated[list[str], msgspec.Meta(max_length=1024)] | None = None
-    seed: Seed | None = None
-    ignore_eos: bool = False
     logprobs: bool | None = None
     top_logprobs: Count | None = None
-    # Accepted: who asks and for what; this server keeps no per-user state and no metadata.
-    user: str | None = None
+    # Accepted, like user and metadata: this server keeps no per-user state, and prefix
+    # caching needs no key.
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    metadata: dict[str, str] | None = None
-    # Extension, as in vLLM: the generated token ids beside the text.
-    return_token_ids: bool = False
     modalities: Annotated[list[Literal["text", "audio"]], msgspec.Meta(min_length=1, max_length=2)] | None = None
     audio: AudioOutput | None = None
-    # Structured output, and vLLM's guided decoding extensions.
-    response_format: ResponseFormat | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: Annotated[list[str], msgspec.Meta(max_length=4096)] | None = None
-    guided_grammar: str | None = None
     # Tools.
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -197,11 +166,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
 
     def check_supported(self) -> None:
         refuse_unsupported(self, UNSUPPORTED)
-        if self.stream_options is not None and self.stream_options.include_obfuscation:
-            raise InvalidInput("stream_options.include_obfuscation is not supported by this server",
-                               "unsupported_parameter", "stream_options.include_obfuscation")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidInput("stream_options needs stream: true", "invalid_value", "stream_options")
+        self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInput("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
 
@@ -232,44 +197,15 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     def sampling_params(self, default_max_tokens: int, max_stop_strings: int, max_logprobs: int = 20,
                         max_choices: int = 16) -> SamplingParams:
         """A bad value is an InvalidInput naming the field."""
-        if self.n is not None and not 1 <= self.n <= max_choices:
-            raise InvalidInput(f"n must be between 1 and {max_choices} (--max-choices)", "invalid_value", "n")
         if self.logprobs and (self.top_logprobs or 0) > max_logprobs:
             raise InvalidInput(f"top_logprobs must be at most {max_logprobs} (--max-logprobs)", "invalid_value",
                                "top_logprobs")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stop) > max_stop_strings:
-            raise InvalidInput(f"at most {max_stop_strings} stop strings are allowed", "invalid_value", "stop")
+        fields = self.common_sampling_fields(max_stop_strings, max_choices)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        fields = {
-            "temperature": _or(self.temperature, 1.0),
-            "top_p": _or(self.top_p, 1.0),
-            "top_k": _or(self.top_k, 0),
-            "min_p": _or(self.min_p, 0.0),
-            "seed": self.seed,
-            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-            "stop": stop,
-            "presence_penalty": _or(self.presence_penalty, 0.0),
-            "frequency_penalty": _or(self.frequency_penalty, 0.0),
-            "repetition_penalty": _or(self.repetition_penalty, 1.0),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": _or(self.top_logprobs, 0) if self.logprobs else None,
-            "logit_bias": logit_bias_of(self.logit_bias),
-        }
+        fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return sampling_params_or_invalid(fields, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                                                    if self.max_completion_tokens is not None else "max_tokens"})
-
-
-def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's logit_bias (token ids as JSON object keys) as token id -> bias."""
-    out = {}
-    for key, value in (bias or {}).items():
-        if not key.isdigit() or len(key) > 10:
-            raise InvalidInput(f"logit_bias keys must be token ids, not {key[:20]!r}", "invalid_value", "logit_bias")
-        if not -100 <= value <= 100:
-            raise InvalidInput("logit_bias values must be in [-100, 100]", "invalid_value", "logit_bias")
-        out[int(key)] = float(value)
-    return out
 
 
 def sampling_params_or_invalid(fields: dict, param_names: dict | None = None) -> SamplingParams:
@@ -280,7 +216,3 @@ def sampling_params_or_invalid(fields: dict, param_names: dict | None = None) ->
         field = next((name for name in fields if f" {name}=" in f" {exc}"), None)
         param = (param_names or {}).get(field, field)
         raise InvalidInput(str(exc), "invalid_value", param) from None
-
-
-def _or(value, default):
-    return default if value is None else value

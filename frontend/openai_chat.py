@@ -19,19 +19,17 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.admission import AdmissionRefused
 from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
 from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
 from frontend.limits import bearer_token, cache_salt
-from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, unless_disconnected,
-                                  usage_of, wait_for_disconnect)
+from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
+                                  unless_disconnected, usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
-from frontend.structured_output import (GrammarBusy, check_logit_bias, forced_call_grammar, named_choice,
-                                       structured_output_of)
+from frontend.structured_output import (check_logit_bias, forced_call_grammar, named_choice)
 from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
                                  tool_calls_json, validate_tools)
 
@@ -63,21 +61,9 @@ class ChatCompletions:
             return body_bytes
         try:
             plan = await self._plan(body_bytes)
-        except InvalidInput as exc:
-            return error_response(400, str(exc), exc.code, exc.param)
-        except GrammarBusy as exc:
-            return error_response(429, str(exc), "grammar_busy", error_type="rate_limit_error",
-                                  headers={"Retry-After": "1"})
-        except VoiceBusy as exc:
-            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
-                                  headers={"Retry-After": "1"})
-        except EngineUnavailable as exc:
-            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
-        try:
             leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
-        except AdmissionRefused as exc:
-            return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
-                                  headers={"Retry-After": str(exc.retry_after_s)})
+        except REFUSALS as exc:
+            return refusal(exc)
         request_id = leases[0].request_id
         salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
         # From here on a client that hangs up stops its request, before or after its first token.
@@ -87,13 +73,9 @@ class ChatCompletions:
         try:
             if plan.spoken_format is not None:
                 spoken = SpokenAnswer(state.client, request_id, plan.spoken_format)
-            start = asyncio.ensure_future(self._start(leases, plan, salt))
-            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not start.done():
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
+            choices = await unless_disconnected(gone, self._start(leases, plan, salt))
+            if choices is None:
                 return Response(status_code=499)  # nobody is listening any more
-            choices = start.result()
             if plan.body.stream:
                 gone.cancel()  # the streaming response watches for the disconnect itself
                 handed_over = True
@@ -101,15 +83,8 @@ class ChatCompletions:
                     leases, self._sse(request_id, choices, plan, spoken),
                     on_close=spoken.close if spoken is not None else None, media_type="text/event-stream")
             return await self._complete_unless_disconnected(gone, request_id, choices, plan, spoken)
-        except InvalidInput as exc:
-            return error_response(400, str(exc), exc.code, exc.param)
-        except VoiceBusy as exc:
-            return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
-                                  headers={"Retry-After": "1"})
-        except EngineUnavailable as exc:
-            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
-        except SpeechFailed as exc:
-            return error_response(503, str(exc), "voice_unavailable", error_type="server_error")
+        except REFUSALS as exc:
+            return refusal(exc)
         finally:
             gone.cancel()
             if not handed_over:
@@ -127,8 +102,7 @@ class ChatCompletions:
         n = body.n or 1
         check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         tools = self._tools(body)
-        constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
-                                          body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
+        constraint = body.constraint(config.max_grammar_bytes)
         grammar = await forced_call_grammar(tools, body.tool_choice, body.parallel_tool_calls,
                                             config.max_grammar_bytes) if tools else None
         if grammar is not None:
@@ -224,7 +198,7 @@ class ChatCompletions:
     async def _sse(self, request_id: str, choices: list[Choice], plan: ChatPlan, spoken: SpokenAnswer | None):
         created = int(time.time())
         body = plan.body
-        include_usage = body.stream_options.include_usage if body.stream_options else True
+        include_usage = body.include_usage
         parsers = {c.index: StreamingToolCallParser() for c in choices} if self._calls_tools(plan) else {}
         called = set()
         last_chunks: dict[int, TextChunk] = {}

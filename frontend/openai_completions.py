@@ -15,18 +15,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.admission import AdmissionRefused
 from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
 from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
 from frontend.openai_chat import check_logit_bias
 from frontend.limits import bearer_token, cache_salt
-from frontend.openai_http import (LeasedStreamingResponse, body_or_error, error_response, sse_data, usage_of,
-                                  wait_for_disconnect)
+from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
+                                  unless_disconnected, usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
-from frontend.structured_output import GrammarBusy, structured_output_of
 
 
 class Completions:
@@ -40,31 +37,20 @@ class Completions:
             return body_bytes
         try:
             body, params, prompts = await self._check(body_bytes)
-        except InvalidInput as exc:
-            return error_response(400, str(exc), exc.code, exc.param)
-        except GrammarBusy as exc:
-            return error_response(429, str(exc), "grammar_busy", error_type="rate_limit_error",
-                                  headers={"Retry-After": "1"})
-        n = body.n or 1
-        try:
+            n = body.n or 1
             leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
-        except AdmissionRefused as exc:
-            return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
-                                  headers={"Retry-After": str(exc.retry_after_s)})
+        except REFUSALS as exc:
+            return refusal(exc)
         request_id = leases[0].request_id
         salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         handed_over = False
         try:
             per_choice = params_per_choice(params, n) * len(prompts)
-            start = asyncio.ensure_future(start_choices(
+            choices = await unless_disconnected(gone, start_choices(
                 state.generation, leases, [p for p in prompts for _ in range(n)], per_choice, salt))
-            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not start.done():
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
-                return Response(status_code=499)
-            choices = start.result()
+            if choices is None:
+                return Response(status_code=499)  # nobody is listening any more
             echoes = [self._echo(body, p) for p in prompts for _ in range(n)]
             if body.stream:
                 gone.cancel()
@@ -72,10 +58,8 @@ class Completions:
                 return LeasedStreamingResponse(leases, self._sse(request_id, choices, body, echoes, n),
                                                media_type="text/event-stream")
             return await self._complete(gone, request_id, choices, body, echoes, n)
-        except InvalidInput as exc:
-            return error_response(400, str(exc), exc.code, exc.param)
-        except EngineUnavailable as exc:
-            return error_response(503, str(exc), "engine_unavailable", error_type="server_error")
+        except REFUSALS as exc:
+            return refusal(exc)
         finally:
             gone.cancel()
             if not handed_over:
@@ -88,8 +72,7 @@ class Completions:
         body.check_supported()
         params = body.sampling_params(config.max_stop_strings, config.max_logprobs, config.max_choices)
         check_logit_bias(params, state.client.ready["decoder"].vocab_size)
-        constraint = structured_output_of(body.response_format, body.guided_json, body.guided_regex,
-                                          body.guided_choice, body.guided_grammar, config.max_grammar_bytes)
+        constraint = body.constraint(config.max_grammar_bytes)
         if constraint is not None:
             await state.grammar_checker.check(*constraint)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
@@ -143,7 +126,7 @@ class Completions:
     async def _sse(self, request_id: str, choices: list[Choice], body: CompletionRequest, echoes: list[str],
                    n: int):
         created = int(time.time())
-        include_usage = body.stream_options.include_usage if body.stream_options else True
+        include_usage = body.include_usage
         offsets = [len(echo) for echo in echoes]
         last_chunks: dict[int, TextChunk] = {}
 

@@ -11,12 +11,34 @@ import json
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.admission import RequestLease
+from frontend.admission import AdmissionRefused, RequestLease
+from frontend.chat_audio import SpeechFailed
+from frontend.edge_decoding import InvalidInput
+from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.generation import TextChunk
+from frontend.structured_output import GrammarBusy
 
 
 class BodyTooLarge(Exception):
     pass
+
+
+# What a handler may raise for a request the server refuses or cannot serve now.
+REFUSALS = (InvalidInput, AdmissionRefused, GrammarBusy, SpeechFailed, EngineUnavailable)
+
+
+def refusal(exc: Exception) -> Response:
+    """The HTTP answer to one of REFUSALS."""
+    if isinstance(exc, InvalidInput):
+        return error_response(400, str(exc), exc.code, exc.param)
+    if isinstance(exc, AdmissionRefused):
+        return error_response(429, str(exc), exc.code, error_type="rate_limit_error",
+                              headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, (GrammarBusy, VoiceBusy)):
+        return error_response(429, str(exc), "grammar_busy" if isinstance(exc, GrammarBusy) else "voice_busy",
+                              error_type="rate_limit_error", headers={"Retry-After": "1"})
+    code = "voice_unavailable" if isinstance(exc, SpeechFailed) else "engine_unavailable"
+    return error_response(503, str(exc), code, error_type="server_error")
 
 
 def error_response(status: int, message: str, code: str, param: str | None = None,
