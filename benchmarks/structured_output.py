@@ -11,6 +11,8 @@ and once with `response_format` json_schema, over --rounds. Each round runs both
 fresh conversations with the same output budgets, and flips which goes first, since this
 machine's speed drifts by 10-20% over minutes. The schema asks for a list of strings without
 maxItems, so the JSON usually stays open until the budget and most tokens are constrained.
+On a quiet 2-core machine one 30 s run differs from the next of the same mode by up to 10%:
+two rounds (~3 min in all) tell a 10% cost from none; a few percent needs --rounds 6 (~6 min).
 With ignore_eos no answer stops on its own, so a last untimed batch without it counts how
 many answers stop and parse.
 
@@ -29,13 +31,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serve import RequestResult, make_conversations, output_lengths, start_server, summarize  # noqa: E402
+from benchmarks.serve import RequestResult, make_conversations, output_lengths, start_server, summarize
 
 VOCAB_SIZE = 49152  # the default model's
 
@@ -165,7 +168,8 @@ async def stream_chat(url: str, body: dict, api_key: str | None) -> Answer:
         writer.close()
 
 
-async def run_clients(url: str, bodies: list[dict], concurrency: int, api_key: str | None) -> tuple[list[Answer], float]:
+async def run_clients(url: str, bodies: list[dict], concurrency: int,
+                      api_key: str | None) -> tuple[list[Answer], float]:
     """serve.py's closed loop: each client sends its next request when the last one ends."""
     queue = list(enumerate(bodies))
     answers: list[Answer | None] = [None] * len(bodies)
@@ -189,8 +193,8 @@ def chat_body(conversation: list[dict], max_tokens: int, schema: dict | None, ig
 
 
 def leading_json(text: str):
-    """The JSON value an answer starts with (free text may follow it with ignore_eos); None
-    while it is still open."""
+    """The JSON value an answer starts with, None while it is still open (an ignore_eos
+    answer goes on past it with the stop tokens it ignores)."""
     try:
         return json.JSONDecoder().raw_decode(text)[0]
     except ValueError:
@@ -209,11 +213,11 @@ def schema_validator(schema: dict):
 def check_answers(answers: list[Answer], schema: dict) -> dict:
     """How the schema answers ended: finish reasons, JSON closed within the budget, valid."""
     is_valid = schema_validator(schema)
-    counts = {"answers": len(answers), "finish_stop": 0, "json_closed": 0, "json_valid": 0,
+    counts = {"answers": len(answers), "stopped": 0, "json_closed": 0, "json_valid": 0,
               "stopped_and_parsed": 0, "validated_with_jsonschema": is_valid is not None}
     for answer in answers:
         value = leading_json(answer.text)
-        counts["finish_stop"] += answer.finish != "length"
+        counts["stopped"] += answer.finish != "length"
         counts["json_closed"] += value is not None
         counts["json_valid"] += value is not None and (is_valid is None or is_valid(value))
         if answer.finish != "length":
@@ -232,7 +236,7 @@ def measure_serving(args: argparse.Namespace, url: str) -> dict:
     warmup = make_conversations(2, 99, *args.prompt_words, label="Warm-up")
     asyncio.run(run_clients(url, [chat_body(warmup[0], 4, None), chat_body(warmup[1], 4, schema)], 2, args.api_key))
     runs = {"plain": [], "schema": []}
-    answers = {"plain": [], "schema": []}
+    schema_answers = []
     for round_index in range(args.rounds):
         budgets = output_lengths(args.num_requests, round_index, args.max_tokens, args.output_range_ratio)
         for mode in (("plain", "schema") if round_index % 2 == 0 else ("schema", "plain")):
@@ -245,7 +249,7 @@ def measure_serving(args: argparse.Namespace, url: str) -> dict:
             if errors:
                 raise RuntimeError(f"{len(errors)} {mode} requests failed, first: {errors[0]}")
             runs[mode].append(summarize(results, elapsed))
-            answers[mode] += results
+            schema_answers += results if mode == "schema" else []
             print(f"round {round_index} {mode}: {runs[mode][-1]['output_throughput']:.1f} output tok/s "
                   f"({elapsed:.1f} s)", flush=True)
     # Untimed: without ignore_eos, do the answers stop on their own, and parse?
@@ -255,9 +259,12 @@ def measure_serving(args: argparse.Namespace, url: str) -> dict:
         args.concurrency, args.api_key))
     plain = statistics.median(r["output_throughput"] for r in runs["plain"])
     constrained = statistics.median(r["output_throughput"] for r in runs["schema"])
+    # Each round's two runs are minutes apart at most: their ratio is the least drift-prone.
+    pair_ratios = [s["output_throughput"] / p["output_throughput"] for p, s in zip(runs["plain"], runs["schema"])]
     return {"rounds": runs, "plain_tok_s": plain, "schema_tok_s": constrained, "ratio": constrained / plain,
+            "pair_ratios": pair_ratios,
             "tpot_p50_ms": {mode: 1000 * statistics.median(r["tpot"]["p50"] for r in runs[mode]) for mode in runs},
-            "timed_answers": check_answers(answers["schema"], schema),
+            "timed_answers": check_answers(schema_answers, schema),
             "check_answers": check_answers(stopped, schema), "check_max_tokens": args.check_max_tokens}
 
 
@@ -323,7 +330,7 @@ def measure_engines(tokenizer, stop_ids: list[int], walks: int) -> dict | None:
     from engine.sampling_params import StructuredOutput
 
     compiler = GrammarCompiler(lambda: tokenizer, VOCAB_SIZE)
-    xgr_tables = timed(compiler.compile, StructuredOutput("json_object"))[0]
+    xgr_first = timed(compiler.compile, StructuredOutput("json_object"))[0]
     llg_tables, llg_tokenizer = timed(lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB_SIZE,
                                                                            eos_token=stop_ids))
     # The server's JSON form in both: no free whitespace, ", " and ": " separators.
@@ -334,19 +341,21 @@ def measure_engines(tokenizer, stop_ids: list[int], walks: int) -> dict | None:
     for name, (schema, example) in SCHEMAS.items():
         tokens = tokenizer.encode(json.dumps(example), add_special_tokens=False) + [stop_ids[0]]
         xgr_setup, compiled = timed(compiler.compile, StructuredOutput("json_schema", json.dumps(schema)))
-        # llguidance has no compile step: its setup is the grammar text and a first matcher.
-        llg_setup, grammar = timed(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=llg_options))
+        # Setup: what a new schema costs before its first mask. llguidance has no compile
+        # step (it builds lazily, in the mask fills): the grammar text and a first matcher.
+        llg_setup, grammar = timed(llguidance.LLMatcher.grammar_from_json_schema, schema, llg_options)
         error = llguidance.LLMatcher.validate_grammar(grammar, llg_tokenizer)
         if error:
             raise RuntimeError(f"llguidance refused {name}: {error}")
         xgr_times, llg_times = [], []
         for walk in range(walks):
             # A fresh matcher per walk, as each request gets one.
-            matcher = compiler.matcher(compiled, stop_ids)
-            xgr_times += walk_masks(lambda: matcher.fill_next_token_bitmask(xgr_mask, 0), matcher.accept_token, tokens)
+            seconds, matcher = timed(compiler.matcher, compiled, stop_ids)
+            xgr_setup += seconds if walk == 0 else 0.0
+            xgr_times += walk_masks(partial(matcher.fill_next_token_bitmask, xgr_mask, 0), matcher.accept_token, tokens)
             seconds, llg_matcher = timed(llguidance.LLMatcher, llg_tokenizer, grammar)
             llg_setup += seconds if walk == 0 else 0.0
-            llg_times += walk_masks(lambda: llguidance.torch.fill_next_token_bitmask(llg_matcher, llg_mask, 0),
+            llg_times += walk_masks(partial(llguidance.torch.fill_next_token_bitmask, llg_matcher, llg_mask, 0),
                                     llg_matcher.consume_token, tokens)
         all_times["xgrammar"] += xgr_times
         all_times["llguidance"] += llg_times
@@ -358,7 +367,7 @@ def measure_engines(tokenizer, stop_ids: list[int], walks: int) -> dict | None:
               f"llguidance {per_schema[name]['llguidance_mask_us']['mean']:.0f} us", flush=True)
     # Over every mask of every walk: a longer answer weighs more, as it does when serving.
     everything = {engine: microseconds(times) for engine, times in all_times.items()}
-    return {"xgrammar_first_compile_ms": 1000 * xgr_tables, "llguidance_tokenizer_ms": 1000 * llg_tables,
+    return {"xgrammar_first_compile_ms": 1000 * xgr_first, "llguidance_tokenizer_ms": 1000 * llg_tables,
             "schemas": per_schema, "mask_us": everything}
 
 
@@ -371,14 +380,16 @@ def microseconds(seconds: list[float]) -> dict:
 # --- report ----------------------------------------------------------------------------
 
 def print_report(report: dict, args: argparse.Namespace) -> None:
-    print(f"\n| structured output ({args.num_requests} requests x {args.rounds} rounds per mode, concurrency "
-          f"{args.concurrency}, mean {args.max_tokens} output tokens) | value |\n|---|---|")
     serving = report.get("serving")
+    workload = (f" ({args.num_requests} requests x {args.rounds} rounds per mode, concurrency {args.concurrency}, "
+                f"mean {args.max_tokens} output tokens)") if serving else ""
+    print(f"\n| structured output{workload} | value |\n|---|---|")
     if serving:
         print(f"| output tok/s, plain (median of rounds) | {serving['plain_tok_s']:.1f} |")
         print(f"| output tok/s, JSON schema on every request | {serving['schema_tok_s']:.1f} |")
         print(f"| schema / plain | {serving['ratio']:.3f} (cost {100 * (1 - serving['ratio']):+.1f}%; "
               "target <= 5%) |")
+        print(f"| schema / plain, each round | {' '.join(f'{r:.3f}' for r in serving['pair_ratios'])} |")
         print(f"| TPOT p50 ms, plain / schema | {serving['tpot_p50_ms']['plain']:.1f} / "
               f"{serving['tpot_p50_ms']['schema']:.1f} |")
         timed_answers, check = serving["timed_answers"], serving["check_answers"]
@@ -386,7 +397,7 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
         print(f"| timed schema answers (ignore_eos): JSON closed within the budget / {valid} / total | "
               f"{timed_answers['json_closed']} / {timed_answers['json_valid']} / {timed_answers['answers']} |")
         print(f"| untimed, no ignore_eos, max {serving['check_max_tokens']} tokens: stopped / parsed / total | "
-              f"{check['finish_stop']} / {check['stopped_and_parsed']} / {check['answers']} |")
+              f"{check['stopped']} / {check['stopped_and_parsed']} / {check['answers']} |")
     compiling = report["compile"]
     cold, cached = list(compiling["cold_ms"].values()), list(compiling["cached_ms"].values())
     print(f"| xgrammar tokenizer tables ms (once per process) | {compiling['tokenizer_tables_ms']:.0f} |")
