@@ -112,7 +112,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.logprob_formatter = LogprobFormatter(tokenizer)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
-                    "http://%s:%d/v1/chat/completions%s", state.model_name, host, config.port, host, config.port,
+                    "http://%s:%d/v1/chat/completions, /v1/completions%s", state.model_name, host, config.port, host,
+                    config.port,
                     host, config.port, ", /v1/audio/transcriptions, /v1/audio/speech" if engine_config.voice else "")
         try:
             yield
