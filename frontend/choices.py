@@ -81,18 +81,12 @@ async def collect(choice: Choice) -> list[TextChunk]:
     return chunks
 
 
-async def collect_unless_gone(gone: asyncio.Future, choices: list[Choice]) -> list[list[TextChunk]] | None:
-    """Every choice's chunks, or None if the client went away first (generation then stops
-    at once); the choices are closed either way."""
-    collecting = asyncio.ensure_future(asyncio.gather(*(collect(choice) for choice in choices)))
+async def collect_all(choices: list[Choice]) -> list[list[TextChunk]]:
+    """Every choice's chunks; the choices are closed however this ends (also cancelled)."""
     try:
-        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await asyncio.gather(*(collect(choice) for choice in choices))
     finally:
-        if not collecting.done():
-            collecting.cancel()
-        await asyncio.gather(collecting, return_exceptions=True)
         await close_choices(choices)
-    return None if collecting.cancelled() else collecting.result()
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, TextChunk]]:

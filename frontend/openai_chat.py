@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
-from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
+from frontend.choices import Choice, admit_choices, collect_all, merged, params_per_choice, start_choices
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
@@ -155,7 +155,7 @@ class ChatCompletions:
     async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, choices: list[Choice],
                                             plan: ChatPlan, spoken: SpokenAnswer | None) -> Response:
         """The whole answer; if the client goes away meanwhile, generation stops at once."""
-        all_chunks = await collect_unless_gone(gone, choices)
+        all_chunks = await unless_disconnected(gone, collect_all(choices))
         if all_chunks is None:
             return Response(status_code=499)  # nobody is listening any more
         for chunks in all_chunks:

@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.choices import Choice, admit_choices, collect_unless_gone, merged, params_per_choice, start_choices
+from frontend.choices import Choice, admit_choices, collect_all, merged, params_per_choice, start_choices
 from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.generation import TextChunk
@@ -97,7 +97,7 @@ class Completions:
 
     async def _complete(self, gone, request_id: str, choices: list[Choice], body: CompletionRequest,
                         echoes: list[str], n: int) -> Response:
-        all_chunks = await collect_unless_gone(gone, choices)
+        all_chunks = await unless_disconnected(gone, collect_all(choices))
         if all_chunks is None:
             return Response(status_code=499)  # nobody is listening any more
         out = []
