@@ -142,3 +142,19 @@ def test_every_accepted_sampling_params_encodes_and_samples(fields):
     assert protocol.decode_input(protocol.encode(message)) == message
     tokens, _ = sample(torch.zeros(1, 8), [SamplingRow(params, [1, 2], [3])])
     assert 0 <= tokens[0] < 8
+
+
+def test_sampler_makes_every_tensor_on_the_logits_device():
+    """On a GPU a CPU-made mask, generator or penalty tensor beside CUDA logits crashes the
+    decoder at the first non-greedy request. Here any tensor the sampler makes without naming
+    the logits' device lands on the meta device, and mixing it with the CPU logits raises."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    everything = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3, repetition_penalty=1.2,
+                                presence_penalty=0.5, frequency_penalty=0.3, logit_bias={1: 2.0}, logprobs=2)
+    rows = [SamplingRow(everything, [1, 2], [3]), SamplingRow(SamplingParams(temperature=0), [1], []),
+            SamplingRow(SamplingParams(temperature=1.0, seed=4), [1], [])]
+    expected = sample(logits.clone(), rows)
+    with torch.device("meta"):
+        tokens, logprobs = sample(logits.clone(), rows)
+    assert (tokens, logprobs) == expected
+    assert tokens[1] == int(logits[1].argmax())

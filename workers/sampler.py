@@ -4,6 +4,9 @@ Greedy rows take the argmax. Random rows are temperature-scaled, filtered (top-k
 min-p) and drawn with the exponential race argmax(p / E), E ~ Exp(1), which equals a
 multinomial draw. Seeded rows draw E from a generator seeded by (seed, output index), so a
 seeded request gives the same tokens whatever it is batched with, and after preemption.
+
+Every tensor is made on the logits' device: on a GPU the only host sync of a step is reading
+the sampled tokens (and the log-probabilities, when asked for).
 """
 
 from __future__ import annotations
@@ -71,60 +74,64 @@ def _apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
     vocab = logits.shape[0]
     ids = [token_id for token_id in bias if token_id < vocab]
     if ids:
-        logits[torch.tensor(ids)] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+        logits[torch.tensor(ids, device=logits.device)] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype,
+                                                                        device=logits.device)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     vocab = logits.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                            device=logits.device)
         seen = seen[seen < vocab]
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                    values * params.repetition_penalty)
     if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device),
+                                minlength=vocab)[:vocab]
         logits -= params.frequency_penalty * counts.to(logits.dtype)
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    num_rows, vocab = logits.shape
+    device = logits.device
     greedy_tokens = logits.argmax(dim=-1)
     temperature = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows],
-                               dtype=logits.dtype)
+                               dtype=logits.dtype, device=device)
     scaled = logits / temperature.unsqueeze(1)
 
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
     probs = torch.softmax(scaled, dim=-1)
-    if bool((min_p > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
 
     noise = torch.empty_like(probs)
     for index, row in enumerate(rows):
         if row.params.seed is not None:
-            generator = torch.Generator().manual_seed(_step_seed(row.params.seed, len(row.output_token_ids)))
+            seed = _step_seed(row.params.seed, len(row.output_token_ids))
+            generator = torch.Generator(device=device).manual_seed(seed)
             noise[index].exponential_(generator=generator)
         else:
             noise[index].exponential_()
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([r.params.greedy for r in rows])
+    is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).unsqueeze(1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device).unsqueeze(1)
     remove = ranks >= k
-    p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+    p = torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Drop a token when the tokens ranked above it already reach p; the top one always stays.
     remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
