@@ -11,6 +11,10 @@ from engine.executor import KVCacheSpec
 
 # How a CPU may serve the linear layers (workers/cpu_linear.py).
 QUANTIZATION_MODES = ("none", "bf16", "int8")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
+# The KV pool on a CPU when kv_cache_memory_gib is not set.
+CPU_KV_CACHE_GIB = 2.0
 
 logger = logging.getLogger("antiphon")
 
@@ -29,7 +33,19 @@ class EngineConfig:
     block_size: int = 16
     # None sizes the pool from kv_cache_memory_gib.
     num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 2.0
+    # None: 2 GiB on a CPU; on CUDA what is left of gpu_memory_utilization of the device
+    # after the weights and a profiling step at the full token budget (workers/gpu_memory.py).
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    # How attention reads the paged cache (workers/paged_attention.py): "auto" is the Triton
+    # kernels on CUDA and torch on a CPU; "triton" on a CPU runs them in Triton's interpreter.
+    attention_backend: str = "auto"
+    # CUDA graphs of pure-decode steps (workers/decode_graphs.py), one per batch size up to
+    # max_graph_batch_size: "auto" captures them on CUDA with the Triton backend; "off" runs
+    # eagerly (vLLM's enforce_eager); "padded-eager" runs the graphs' padded static buffers
+    # without capturing, which a CPU can test and which tells a capture bug from a padding one.
+    decode_graphs: str = "auto"
+    max_graph_batch_size: int = 256
     enable_prefix_caching: bool = True
 
     # Token budget of one step, shared by decodes and prefill chunks.
@@ -75,10 +91,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is reserved), got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.encoder_cache_size is not None and self.encoder_cache_size < 0:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
+        if self.max_graph_batch_size < 1:
+            raise ValueError(f"max_graph_batch_size must be >= 1, got {self.max_graph_batch_size}")
         if self.quantization not in ("auto", *QUANTIZATION_MODES):
             raise ValueError(f"quantization must be auto or one of {', '.join(QUANTIZATION_MODES)}, "
                              f"got {self.quantization!r}")
@@ -134,25 +159,36 @@ def global_encoder_cache_size(config: EngineConfig, max_embeddings_per_item: int
 
 
 def resolve_sizes(config: EngineConfig, model_max_len: int, kv_cache_spec: KVCacheSpec,
-                  max_embeddings_per_item: int = 0) -> ResolvedSizes:
+                  max_embeddings_per_item: int = 0, measured_kv_bytes: int | None = None) -> ResolvedSizes:
+    """`measured_kv_bytes`: what the device has left for the KV pool (CUDA), when
+    kv_cache_memory_gib does not say."""
     max_model_len = model_max_len if config.max_model_len is None else config.max_model_len
     if max_model_len > model_max_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}")
     bytes_per_block = kv_cache_spec.bytes_per_block(config.block_size)
     if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
+        num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     else:
         # Never more than the scheduler could ever fill (+1 for the reserved block): small
         # models would otherwise take the whole memory budget for nothing.
         most_usable = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
-        num_blocks = max(2, min(int(config.kv_cache_memory_gib * GIB) // bytes_per_block, most_usable))
+        if config.kv_cache_memory_gib is not None:
+            budget, source = int(config.kv_cache_memory_gib * GIB), "kv_cache_memory_gib"
+        elif measured_kv_bytes is not None:
+            budget = measured_kv_bytes
+            source = f"{budget / GIB:.2f} GiB free at gpu_memory_utilization {config.gpu_memory_utilization}"
+        else:
+            budget, source = int(CPU_KV_CACHE_GIB * GIB), f"{CPU_KV_CACHE_GIB:g} GiB CPU default"
+        num_blocks = max(2, min(budget // bytes_per_block, most_usable))
+        if num_blocks == most_usable:
+            source += ", capped at what max_num_seqs x max_model_len can fill"
     sizes = ResolvedSizes(max_model_len, num_blocks, encoder_budget(config, max_embeddings_per_item))
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len=%d, token budget %d, max %d seqs, "
-        "prefix caching %s",
+        "prefix caching %s (sized by %s)",
         num_blocks, config.block_size, num_blocks * bytes_per_block / (1 << 20), max_model_len,
         config.max_num_batched_tokens, config.max_num_seqs,
-        "on" if config.enable_prefix_caching else "off",
+        "on" if config.enable_prefix_caching else "off", source,
     )
     if sizes.encoder_budget:
         logger.info("Encoder cache budget: %d embeddings (largest item %d)%s", sizes.encoder_budget,

@@ -32,9 +32,12 @@ class EngineCore:
                  embedding_source: EmbeddingSource | None = None) -> None:
         self.config = config
         self.executor = executor
+        measured = None
+        if config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
+            measured = executor.measure_kv_cache_bytes()
         self.sizes = resolve_sizes(config, executor.model_max_len, executor.kv_cache_spec,
-                                   executor.max_embeddings_per_item)
-        executor.initialize_kv_cache(self.sizes.num_kv_blocks, config.block_size)
+                                   executor.max_embeddings_per_item, measured)
+        executor.initialize_kv_cache(self.sizes.num_kv_blocks, config.block_size, self.sizes.max_model_len)
         self.kv = KVCacheManager(self.sizes.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.sizes.max_model_len, self.sizes.encoder_budget)
         # The encoder: in this process for the offline LLM, or another process's client.

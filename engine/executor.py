@@ -66,8 +66,11 @@ class Executor(Protocol):
     # runner builds its matchers from the same compiles), or None without a grammar engine.
     grammars: object | None
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the KV pool; called once, before the first step."""
+    def measure_kv_cache_bytes(self) -> int | None:
+        """Bytes the device can give the KV pool, measured (None: no measure here, a CPU)."""
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """Allocate the KV pool (and capture what runs on it); called once, before the first step."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Steps run in the order they are given, one at a time."""

@@ -56,7 +56,23 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    group.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                       help="KV pool size (default: 2 on a CPU; on CUDA what --gpu-memory-utilization leaves "
+                            "after the weights and a profiling step)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the GPU's memory the engine may use (weights, activations, KV)")
+    group.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    group.add_argument("--dtype", default="auto",
+                       help="auto (float32 on CPU, the checkpoint's dtype on CUDA), float16, bfloat16, float32")
+    from engine.config import ATTENTION_BACKENDS, DECODE_GRAPH_MODES
+
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="auto: Triton kernels on CUDA, torch on CPU")
+    group.add_argument("--decode-graphs", choices=DECODE_GRAPH_MODES, default="auto",
+                       help="CUDA graphs for decode steps (auto: on with CUDA and the Triton backend)")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (same as --decode-graphs off)")
+    group.add_argument("--max-graph-batch-size", type=int, default=256,
+                       help="largest decode batch captured in a CUDA graph; larger batches run eagerly")
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--max-num-seqs", type=int, default=256)
@@ -194,6 +210,10 @@ def _serve(args) -> int:
         engine_config = EngineConfig(
             model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization, device=args.device, dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            decode_graphs="off" if args.enforce_eager else args.decode_graphs,
+            max_graph_batch_size=args.max_graph_batch_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],

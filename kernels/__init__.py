@@ -1,28 +1,10 @@
-"""Device kernels for paged attention.
+"""Triton kernels for the GPU path, each beside a plain torch reference of the same math.
 
-The CPU path is plain torch (workers/paged_attention.py). A CUDA backend registers itself
-here, and the attention layer asks `paged_attention_backend` before falling back to torch.
+- cache_write.py: the step's keys and values into their cache slots (reshape_and_cache).
+- decode_attention.py: paged decode attention with split-K and GQA heads sharing K/V loads.
+- prefill_attention.py: paged attention for packed prefill chunks over their cached prefix.
+
+workers/paged_attention.py calls them when the engine's attention backend is "triton" (the
+default on CUDA). On a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1), which
+is how the tests check them against their references and the engine's greedy parity.
 """
-
-from __future__ import annotations
-
-from typing import Protocol
-
-import torch
-
-
-class PagedAttentionBackend(Protocol):
-    def decode(self, query, key_cache, value_cache, context_slots, context_mask, scale): ...
-
-    def prefill(self, query, key, value, key_cache, value_cache, span, scale): ...
-
-
-_BACKENDS: dict[str, PagedAttentionBackend] = {}
-
-
-def register_backend(device_type: str, backend: PagedAttentionBackend) -> None:
-    _BACKENDS[device_type] = backend
-
-
-def paged_attention_backend(device: torch.device) -> PagedAttentionBackend | None:
-    return _BACKENDS.get(device.type)

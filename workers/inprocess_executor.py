@@ -16,7 +16,9 @@ from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
 from workers.model_loader import load_model, resolve_device, resolve_dtype
+from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner
+from workers.paged_attention import resolve_attention_backend
 
 
 class InProcessExecutor:
@@ -26,6 +28,7 @@ class InProcessExecutor:
     def __init__(self, config: EngineConfig, with_encoder: bool = True) -> None:
         from transformers import AutoConfig
 
+        self.config = config
         path = self.path = resolve_model_path(config.model)
         model_config = AutoConfig.from_pretrained(path)
         self.model_max_len = model_config.get_text_config().max_position_embeddings
@@ -41,15 +44,42 @@ class InProcessExecutor:
                 config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.device = device
         self.is_accelerated = device.type == "cuda"
+        self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         self.grammars = GrammarCompiler(lambda: load_tokenizer(path), self.vocab_size)
         self.runner: ModelRunner | None = None
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def measure_kv_cache_bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        config = self.config
+        return profile_kv_cache_bytes(
+            lambda num_blocks: self._runner(num_blocks, config.block_size, grammars=None),
+            self.kv_cache_spec, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+            config.gpu_memory_utilization, self.device)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.runner = self._runner(num_blocks, block_size, self.grammars, self._decode_graphs(), max_model_len)
+        self.runner.capture_graphs()
+
+    def _decode_graphs(self) -> str:
+        """The runner's graph mode: "auto" captures where graphs can run (CUDA, Triton
+        attention, a text model) and runs eagerly elsewhere."""
+        mode = self.config.decode_graphs
+        if mode == "auto":
+            usable = self.device.type == "cuda" and self.attention_backend == "triton" and self.adapter is None
+            return "capture" if usable else "off"
+        return mode
+
+    def _runner(self, num_blocks: int, block_size: int, grammars, decode_graphs: str = "off",
+                max_model_len: int | None = None) -> ModelRunner:
         spec = self.kv_cache_spec
-        self.runner = ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
-                                                           spec.num_kv_heads, spec.head_dim), self.adapter,
-                                  self.grammars)
+        return ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
+                                                    spec.head_dim), self.adapter, grammars,
+                           attention_backend=self.attention_backend, decode_graphs=decode_graphs,
+                           max_graph_batch_size=min(self.config.max_graph_batch_size, self.config.max_num_seqs),
+                           max_model_len=max_model_len)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -5,6 +5,11 @@ deltas, so it can run in another process. All scheduled tokens of all requests g
 the model as one packed sequence; logits are computed only for rows that sample, by the
 model's own forward (logits_to_keep), so its final softcapping or logit scale applies.
 
+With the Triton attention backend (CUDA) the single-token rows go first and the layers read
+block tables; a pure-decode step of a text model replays a CUDA graph (decode_graphs.py).
+The step's arrays are built on the host with numpy and reach the device in one
+non-blocking copy each (host_staging.py).
+
 For a multimodal model the runner holds the item embeddings the scheduler hands it, feeds
 the model input embeddings in which each item's placeholder rows are that item's embeddings
 (the slice the chunk covers, when a chunk ends inside an item), and computes the family's
@@ -22,7 +27,10 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, step_metadata
+from workers.decode_graphs import DecodeGraphs
+from workers.host_staging import HostToDevice
+from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan,
+                                     step_metadata)
 from workers.sampler import SamplingRow, sample
 from workers.structured_decoding import StructuredDecoding
 
@@ -54,9 +62,16 @@ class KVCacheShape:
 
 
 class ModelRunner:
+    """`attention_backend`: "torch" or "triton" (resolved, workers/paged_attention.py).
+    `decode_graphs`: "off", "capture" or "padded-eager"; graphs need the Triton backend,
+    a text model and `max_model_len` (the block-table width they are captured with)."""
+
     def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape, adapter=None,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None, attention_backend: str = "torch",
+                 decode_graphs: str = "off", max_graph_batch_size: int = 256,
+                 max_model_len: int | None = None) -> None:
         self.model = model
+        self.use_kernels = attention_backend == "triton"
         # Structured output (None: no grammar engine here; such requests are refused earlier).
         self.structured = StructuredDecoding(grammar_compiler) if grammar_compiler is not None else None
         # The family's adapter for a multimodal model (engine/adapters/), else None.
@@ -78,6 +93,24 @@ class ModelRunner:
             for _ in range(cache_shape.num_layers)
         ]
         self.requests: dict[str, RunnerRequest] = {}
+        self.to_device = HostToDevice(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs != "off":
+            if not self.use_kernels or adapter is not None or max_model_len is None:
+                raise ValueError("decode graphs need the triton attention backend, a text-only model and "
+                                 "max_model_len")
+            self.graphs = DecodeGraphs(
+                self._decode_forward, self.kv_caches, self.block_size, -(-max_model_len // self.block_size),
+                max_graph_batch_size, self.device, capture=decode_graphs == "capture", to_device=self.to_device)
+
+    def capture_graphs(self) -> None:
+        """Record the decode graphs (after the KV caches exist, before the first step)."""
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
 
     # ---- state -------------------------------------------------------------------------
 
@@ -127,13 +160,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         request_ids = list(sched.num_scheduled_tokens)
+        if self.use_kernels:
+            # Single-token rows first: the decode kernel takes them, the prefill kernel the rest.
+            request_ids.sort(key=lambda r: sched.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in request_ids]
-        batch = self._prepare_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
-
-        if self.adapter is None:
-            inputs = {"input_ids": batch.input_ids}
-        else:
-            inputs = {"inputs_embeds": self._input_embeddings(batch.input_ids, states, batch)}
+        batch = self._plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
         rows = [states[i] for i in batch.sample_rows]
         # The grammar masks of this step are filled on another thread while the model runs.
         masks = None
@@ -143,9 +174,7 @@ class ModelRunner:
                            if request_ids[row] in self.structured.requests]
             if constrained:
                 masks = self.structured.start_step(len(rows), constrained)
-        with step_metadata(batch.attention):
-            logits = self.model(**inputs, position_ids=batch.positions, use_cache=False,
-                                  logits_to_keep=batch.logits_index).logits[0]
+        logits = self._forward(batch, states)
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
@@ -164,7 +193,29 @@ class ModelRunner:
                 output.logprobs[request_id] = lp
         return output
 
-    def _prepare_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
+    def _forward(self, batch: "PackedBatch", states: list[RunnerRequest]) -> torch.Tensor:
+        """Logits of the rows that sample, in batch.sample_rows order."""
+        is_pure_decode = batch.num_decodes == len(batch.ends)
+        if (self.graphs is not None and is_pure_decode
+                and self.graphs.padded_size(len(batch.ends)) is not None):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                     batch.ends)
+            if len(batch.sample_rows) == len(batch.ends):
+                return logits
+            return logits[self.to_device("sample_rows", np.asarray(batch.sample_rows))]
+        attention, positions = self._attention_metadata(batch, states)
+        input_ids = self.to_device("input_ids", batch.input_ids).unsqueeze(0)
+        if self.adapter is None:
+            inputs = {"input_ids": input_ids}
+        else:
+            inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
+        logits_index = self.to_device("logits_index", batch.logits_index)
+        with step_metadata(attention):
+            return self.model(**inputs, position_ids=positions, use_cache=False,
+                              logits_to_keep=logits_index).logits[0]
+
+    def _plan_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
+        """The step on the host: token ids, positions, slots, block table, sampled rows."""
         bs = self.block_size
         num_rows = len(states)
         counts = np.asarray(num_scheduled, dtype=np.int64)
@@ -180,48 +231,79 @@ class ModelRunner:
         rope_positions = self._mrope(states, starts, ends, query_offsets, positions) if self.uses_mrope else None
 
         max_blocks = max(len(s.block_ids) for s in states)
-        table = np.zeros((num_rows, max_blocks), dtype=np.int64)
+        table = np.zeros((num_rows, max_blocks), dtype=np.int32)
         for row, state in enumerate(states):
             table[row, :len(state.block_ids)] = state.block_ids
         row_of_token = np.repeat(np.arange(num_rows), counts)
-        slot_mapping = table[row_of_token, positions // bs] * bs + positions % bs
+        slot_mapping = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
+        # Only requests whose step reaches their last known token produce a new token.
+        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_rows)
+        sample_rows = np.nonzero(ends == num_known)[0]
+        # The leading single-token rows (all of them when the rows were put first).
+        not_single = np.nonzero(counts != 1)[0]
+        num_decodes = int(not_single[0]) if len(not_single) else num_rows
+        return PackedBatch(
+            input_ids=np.asarray(input_ids, dtype=np.int64),
+            positions=positions if rope_positions is None else rope_positions,
+            slot_mapping=slot_mapping,
+            block_tables=table,
+            counts=counts,
+            num_decodes=num_decodes,
+            sample_rows=sample_rows.tolist(),
+            logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
+            starts=starts,
+            ends=ends,
+            query_offsets=query_offsets,
+        )
+
+    def _attention_metadata(self, batch: "PackedBatch", states: list[RunnerRequest]):
+        """The layers' view of the step, on the device, and the positions tensor."""
+        if self.uses_mrope:
+            positions = self.to_device("positions", batch.positions).unsqueeze(1)  # [3, 1, T]
+        else:
+            positions = self.to_device("positions", batch.positions).unsqueeze(0)
+        slot_mapping = self.to_device("slot_mapping", batch.slot_mapping)
+        max_context_len = int(batch.ends.max())
+        if self.use_kernels:
+            d = batch.num_decodes
+            chunk_lens = batch.counts[d:]
+            return BlockTableMetadata(
+                slot_mapping=slot_mapping, kv_caches=self.kv_caches,
+                block_tables=self.to_device("block_tables", batch.block_tables),
+                context_lens=self.to_device("context_lens", batch.ends.astype(np.int32)),
+                block_size=self.block_size, num_decodes=d,
+                prefill_query_start_loc=(self.to_device("query_start_loc", np.concatenate(
+                    ([0], np.cumsum(chunk_lens))).astype(np.int32)) if len(chunk_lens) else None),
+                max_prefill_query_len=int(chunk_lens.max()) if len(chunk_lens) else 0,
+                max_context_len=max_context_len), positions
+        return self._torch_metadata(batch, slot_mapping, max_context_len), positions
+
+    def _torch_metadata(self, batch: "PackedBatch", slot_mapping: torch.Tensor,
+                        max_context_len: int) -> PagedAttentionMetadata:
+        """Decodes in groups of similar context lengths, prefill chunks one span each, every
+        context gathered by slot (the CPU path)."""
+        bs, table, counts, ends = self.block_size, batch.block_tables, batch.counts, batch.ends
+        num_rows = len(counts)
         decode_rows = np.nonzero(counts == 1)[0]
         row_groups = _group_by_length(decode_rows, ends)
         all_decodes_in_order = len(row_groups) == 1 and len(decode_rows) == num_rows
         if all_decodes_in_order:
             row_groups = [decode_rows]  # batch order: the attention output needs no scatter
-        decode_groups = [self._decode_group(table, ends, query_offsets, rows) for rows in row_groups]
+        decode_groups = [self._decode_group(table, ends, batch.query_offsets, rows) for rows in row_groups]
         prefill_spans = []
         for row in np.nonzero(counts > 1)[0].tolist():
-            start, end, q0 = int(starts[row]), int(ends[row]), int(query_offsets[row])
+            start, end, q0 = int(batch.starts[row]), int(ends[row]), int(batch.query_offsets[row])
             span = PrefillSpan(q0, q0 + end - start)
             if start > 0:
                 ctx = np.arange(end)
-                span.context_slots = torch.from_numpy(table[row, ctx // bs] * bs + ctx % bs).to(self.device)
+                span.context_slots = torch.from_numpy(table[row, ctx // bs].astype(np.int64) * bs + ctx % bs).to(
+                    self.device)
                 span.causal_mask = (torch.arange(end).unsqueeze(0)
                                     <= torch.arange(start, end).unsqueeze(1)).to(self.device)
             prefill_spans.append(span)
-
-        # Only requests whose step reaches their last known token produce a new token.
-        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_rows)
-        sample_rows = np.nonzero(ends == num_known)[0]
-        logits_index = query_offsets[sample_rows] + counts[sample_rows] - 1
-
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return PackedBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0),
-            positions=(to_device(positions).unsqueeze(0) if rope_positions is None
-                       else to_device(rope_positions).unsqueeze(1)),
-            attention=PagedAttentionMetadata(
-                to_device(slot_mapping), decode_groups, prefill_spans, self.kv_caches, int(ends.max()),
-                all_decodes_in_order=all_decodes_in_order),
-            sample_rows=sample_rows.tolist(),
-            logits_index=to_device(logits_index),
-            starts=starts,
-            ends=ends,
-            query_offsets=query_offsets,
-        )
+        return PagedAttentionMetadata(slot_mapping, decode_groups, prefill_spans, self.kv_caches, max_context_len,
+                                      all_decodes_in_order=all_decodes_in_order)
 
     def _mrope(self, states, starts, ends, query_offsets, positions: np.ndarray) -> np.ndarray:
         """[3, T] positions: text tokens share one position on all three axes; an item's
@@ -261,7 +343,7 @@ class ModelRunner:
         bs = self.block_size
         lengths = ends[rows]
         ctx = np.arange(int(lengths.max()))
-        slots = table[rows][:, ctx // bs] * bs + ctx % bs
+        slots = table[rows][:, ctx // bs].astype(np.int64) * bs + ctx % bs
         mask = torch.from_numpy(ctx[None, :] < lengths[:, None])[:, None, None, :]
         return DecodeGroup(
             query_index=torch.from_numpy(query_offsets[rows]).to(self.device),
@@ -272,11 +354,17 @@ class ModelRunner:
 
 @dataclass
 class PackedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: PagedAttentionMetadata
+    """One step on the host (numpy); the device copies are made where they are used."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T], or [3, T] for M-RoPE
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [R, max_blocks] int32
+    counts: np.ndarray  # [R] tokens scheduled per row
+    # The leading rows that hold one token each.
+    num_decodes: int
     sample_rows: list[int]
-    logits_index: torch.Tensor
+    logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples
     # Per row: first and end position computed this step, and where its tokens start in the
     # batch (arrays: only multimodal steps turn them into lists).
     starts: np.ndarray

@@ -5,6 +5,12 @@ step's keys and values into the block cache (all of them, before any read, so re
 scheduled in the same step can share freshly registered prefix blocks), then attends:
 decodes in a few padded batches, prefill chunks one span at a time.
 
+With the Triton backend (the default on CUDA; kernels/) the layer reads the caches through
+block tables instead: one cache-write launch, one decode launch for the single-token rows
+(which the runner puts first) and one prefill launch for the packed chunks after them. That
+path never gathers a context or reads a tensor's value on the host, so a decode step can be
+captured in a CUDA graph (workers/decode_graphs.py).
+
 The step's metadata reaches the layers through `step_metadata` (set by the runner around
 the forward), not through the model's arguments, which then carry only tensors.
 """
@@ -19,9 +25,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kernels import paged_attention_backend
+from engine.config import ATTENTION_BACKENDS
 
 ATTENTION_NAME = "antiphon_paged"
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """"auto": Triton kernels on CUDA, torch elsewhere. "triton" on a CPU runs the kernels
+    in Triton's interpreter (TRITON_INTERPRET=1): for tests, far too slow to serve."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
 
 
 @dataclass
@@ -56,6 +72,29 @@ class PagedAttentionMetadata:
     max_context_len: int
     # Only decodes, in one group whose rows are the batch's rows in order.
     all_decodes_in_order: bool = False
+
+
+@dataclass
+class BlockTableMetadata:
+    """The Triton path's view of a step: rows in batch order, single-token rows first.
+
+    Every value is a device tensor or a host int known without reading one, so the same
+    object (with its tensors refilled in place) serves every replay of a CUDA graph.
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each packed token; negative: padding, not written
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    context_lens: torch.Tensor  # [R] int32: tokens each row attends to after this step
+    block_size: int
+    # The first rows hold one query token each (decodes): the decode kernel takes them.
+    num_decodes: int
+    # The rows after them are prefill chunks: query offsets relative to the first chunk's
+    # first token ([P + 1] int32), and the longest chunk. None and 0 when there are none.
+    prefill_query_start_loc: torch.Tensor | None
+    max_prefill_query_len: int
+    # The longest context any row may have in this step (for the sliding-window check).
+    max_context_len: int
 
 
 class UnsupportedAttentionFeature(RuntimeError):
@@ -95,7 +134,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.unsqueeze(0), None
 
 
-def attend(meta: PagedAttentionMetadata | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] of the packed step -> [T, Hq, D]."""
     meta = meta if meta is not None else getattr(_current, "step", None)
@@ -106,29 +145,52 @@ def attend(meta: PagedAttentionMetadata | None, layer_idx: int, q: torch.Tensor,
         raise UnsupportedAttentionFeature(
             f"sliding-window attention (window {sliding_window}, context {meta.max_context_len})")
     key_cache, value_cache = meta.kv_caches[layer_idx]
+    if isinstance(meta, BlockTableMetadata):
+        return attend_with_kernels(meta, key_cache, value_cache, q, k, v, scaling)
     key_cache.index_copy_(0, meta.slot_mapping, k)
     value_cache.index_copy_(0, meta.slot_mapping, v)
 
-    backend = paged_attention_backend(q.device)
-    decode = backend.decode if backend is not None else decode_attention
     if meta.all_decodes_in_order:
         # A pure decode step in one group (one stream, or streams of similar lengths):
         # its rows are the batch's rows, no scatter needed.
         group = meta.decode_groups[0]
-        return decode(q, key_cache, value_cache, group.context_slots, group.context_mask, scaling)
+        return decode_attention(q, key_cache, value_cache, group.context_slots, group.context_mask, scaling)
     out = torch.empty_like(q)
     for group in meta.decode_groups:
-        out[group.query_index] = decode(q[group.query_index], key_cache, value_cache, group.context_slots,
-                                        group.context_mask, scaling)
+        out[group.query_index] = decode_attention(q[group.query_index], key_cache, value_cache,
+                                                  group.context_slots, group.context_mask, scaling)
     for span in meta.prefill_spans:
         rows = slice(span.query_start, span.query_end)
-        if backend is not None:
-            out[rows] = backend.prefill(q[rows], k[rows], v[rows], key_cache, value_cache, span, scaling)
-        elif span.context_slots is None:
+        if span.context_slots is None:
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], None, scaling)
         else:
             out[rows] = prefill_attention(q[rows], key_cache[span.context_slots],
                                           value_cache[span.context_slots], span.causal_mask, scaling)
+    return out
+
+
+def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton path: write the step's K/V, then at most two attention launches."""
+    # Imported here: importing Triton costs time every CPU process would otherwise pay.
+    from kernels.cache_write import write_kv_cache
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.prefill_attention import paged_prefill_attention
+
+    # The layer hands transposed views ([T, H, D] of [1, H, T, D]); the kernels index rows densely.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    d = meta.num_decodes
+    if meta.prefill_query_start_loc is None:
+        return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens, scale,
+                                      meta.block_size)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = paged_decode_attention(q[:d], key_cache, value_cache, meta.block_tables[:d],
+                                         meta.context_lens[:d], scale, meta.block_size)
+    out[d:] = paged_prefill_attention(q[d:], key_cache, value_cache, meta.block_tables[d:],
+                                      meta.prefill_query_start_loc, meta.context_lens[d:],
+                                      meta.max_prefill_query_len, scale, meta.block_size)
     return out
 
 
