@@ -13,6 +13,7 @@ from engine.executor import KVCacheSpec
 QUANTIZATION_MODES = ("none", "bf16", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The KV pool on a CPU when kv_cache_memory_gib is not set.
 CPU_KV_CACHE_GIB = 2.0
 
@@ -100,6 +101,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.decode_graphs == "padded-eager" and self.attention_backend == "torch":
+            raise ValueError("decode_graphs='padded-eager' runs the triton attention backend, not torch")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
         if self.max_graph_batch_size < 1:

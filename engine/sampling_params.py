@@ -22,6 +22,8 @@ MAX_LOGPROBS = 1024
 MAX_LOGIT_BIAS = 1024
 # A stop string's length is text held back from streaming, and searched again per token.
 MAX_STOP_STRING_LENGTH = 1024
+# Temperatures below this sample greedily.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -115,7 +117,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: a temperature this small is argmax anyway, and dividing by it overflows
+        # the logits to inf and NaN.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

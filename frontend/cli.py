@@ -61,10 +61,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "after the weights and a profiling step)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of the GPU's memory the engine may use (weights, activations, KV)")
+    from engine.config import ATTENTION_BACKENDS, DECODE_GRAPH_MODES, DTYPES
+
     group.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    group.add_argument("--dtype", default="auto",
-                       help="auto (float32 on CPU, the checkpoint's dtype on CUDA), float16, bfloat16, float32")
-    from engine.config import ATTENTION_BACKENDS, DECODE_GRAPH_MODES
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
 
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                        help="auto: Triton kernels on CUDA, torch on CPU")
@@ -198,6 +199,12 @@ def _message_bytes(given: int | None, model: str | None, max_image_bytes: int) -
     return base + (max_image_bytes * 4 // 3 + 4 if takes_images else 0)
 
 
+def _decode_graphs(args) -> str:
+    if args.enforce_eager and args.decode_graphs not in ("auto", "off"):
+        raise ValueError(f"--enforce-eager contradicts --decode-graphs {args.decode_graphs}")
+    return "off" if args.enforce_eager else args.decode_graphs
+
+
 def _serve(args) -> int:
     import uvicorn
 
@@ -212,7 +219,7 @@ def _serve(args) -> int:
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization, device=args.device, dtype=args.dtype,
             attention_backend=args.attention_backend,
-            decode_graphs="off" if args.enforce_eager else args.decode_graphs,
+            decode_graphs=_decode_graphs(args),
             max_graph_batch_size=args.max_graph_batch_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,

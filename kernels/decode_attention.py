@@ -110,9 +110,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_co
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, Hq, D]; caches [num_slots, Hkv, D]; block_tables int32 [B, max_blocks];
-    context_lens int32 [B] -> [B, Hq, D] in the query's dtype.
+    context_lens int32 [B] -> [B, Hq, D] in the query's dtype, written into `out` when given.
 
     num_splits None picks it from shapes (choose_num_splits). Makes no host synchronisation.
     """
@@ -121,7 +121,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         num_splits = choose_num_splits(query.shape[0], key_cache.shape[1], block_tables.shape[1] * block_size,
                                        device_sm_count(query.device))
     return paged_decode_attention_tiled(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                        block_size, num_splits, tiles)
+                                        block_size, num_splits, tiles, out=out)
 
 
 def allocate_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: int,
@@ -139,7 +139,7 @@ def allocate_partials(batch: int, num_q_heads: int, num_splits: int, head_dim: i
 def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  block_size: int, num_splits: int, tiles: DecodeTiles,
-                                 widen_operands: bool | None = None) -> torch.Tensor:
+                                 widen_operands: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_decode_attention with the split count and tile shape given (tests force them).
 
     widen_operands: dot in fp32 rather than the cache's dtype; None widens only in Triton's
@@ -160,7 +160,10 @@ def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, v
         raise ValueError("query and caches need a contiguous head_dim, block tables contiguous rows")
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit the query {tuple(query.shape)} {query.dtype}")
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads

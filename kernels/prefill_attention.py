@@ -73,22 +73,25 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, element_size: in
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            max_query_len: int, scale: float, block_size: int) -> torch.Tensor:
+                            max_query_len: int, scale: float, block_size: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D]; caches [num_slots, Hkv, D]; block_tables int32 [R, max_blocks];
-    query_start_loc int32 [R + 1]; context_lens int32 [R] -> [T, Hq, D] in the query's dtype.
+    query_start_loc int32 [R + 1]; context_lens int32 [R] -> [T, Hq, D] in the query's dtype,
+    written into `out` when given (a view of a larger output: no copy afterwards).
 
     Makes no host synchronisation; max_query_len (a host int) only picks the tile shape.
     """
     group = query.shape[1] // key_cache.shape[1]
     tiles = choose_tiles(max_query_len, group, query.shape[2], key_cache.element_size())
     return paged_prefill_attention_tiled(query, key_cache, value_cache, block_tables, query_start_loc,
-                                         context_lens, scale, block_size, tiles)
+                                         context_lens, scale, block_size, tiles, out=out)
 
 
 def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                   block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                   context_lens: torch.Tensor, scale: float, block_size: int,
-                                  tiles: PrefillTiles, widen_operands: bool | None = None) -> torch.Tensor:
+                                  tiles: PrefillTiles, widen_operands: bool | None = None,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill_attention with the tile shape given (tests use it to force small tiles).
 
     widen_operands: dot in fp32 rather than the cache's dtype; None widens only in Triton's
@@ -107,7 +110,10 @@ def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, 
     group = num_q_heads // num_kv_heads
     if tiles.block_m < group:
         raise ValueError(f"block_m {tiles.block_m} is smaller than the query group {group}")
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit the query {tuple(query.shape)} {query.dtype}")
     num_requests = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_requests == 0:
         return out
@@ -190,7 +196,12 @@ def _attend_key_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, 
     return acc, m_i, l_i
 
 
-@triton.jit
+# Triton compiles a variant per integer equal to 1 or divisible by 16 and per pointer alignment:
+# the request count, the block-table width and the row offset of the engine's slices of the
+# tables (the prefill rows follow the decodes) change every step, and a recompile mid-serving
+# stalls the GPU for seconds.
+@triton.jit(do_not_specialize=["num_requests", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _prefill_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_requests,

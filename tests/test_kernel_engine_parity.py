@@ -108,3 +108,38 @@ def test_padded_graph_rows_write_no_cache_slot(tiny_llama):
     for layer, (keys, _) in enumerate(runner.kv_caches):
         changed = sorted(set((keys != before[layer]).any(dim=-1).any(dim=-1).nonzero().flatten().tolist()))
         assert changed == [7, 11, 15]
+
+
+def test_memory_profiling_step_runs_the_whole_budget_through_the_runner(tiny_llama):
+    """The step that sizes the KV pool on a GPU (workers/gpu_memory.py), run here on the
+    CPU: every token of the budget is scheduled, every request samples."""
+    from workers.gpu_memory import profiling_step
+    from workers.model_runner import KVCacheShape, ModelRunner
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=8)
+    executor = llm.engine.core.executor
+    step, num_blocks = profiling_step(max_num_batched_tokens=50, max_num_seqs=8, block_size=4)
+    assert step.total_num_scheduled_tokens == 50 and len(step.new_requests) == 8
+    spec = executor.kv_cache_spec
+    runner = ModelRunner(executor.model, KVCacheShape(spec.num_layers, num_blocks, 4, spec.num_kv_heads,
+                                                      spec.head_dim))
+    output = runner.execute(step)
+    assert sorted(output.sampled_token_ids) == sorted(r.request_id for r in step.new_requests)
+    assert all(len(lp.top) == 20 for lp in output.logprobs.values())
+
+
+def test_the_triton_backend_on_a_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
+    """Without it the first step would fail deep in Triton ("0 active drivers"): the engine
+    refuses at start instead, naming the way out."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(str(tiny_llama), num_kv_blocks=8, attention_backend="triton")
+
+
+def test_graph_options_that_contradict_each_other_are_refused():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="padded-eager"):
+        EngineConfig(attention_backend="torch", decode_graphs="padded-eager")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float8")

@@ -207,3 +207,16 @@ def test_a_batch_with_one_refused_image_queues_nothing(tiny_vlms):
     assert not llm.engine.has_unfinished_requests and not llm.engine._items
     out = llm.generate("next", SamplingParams(max_tokens=2))
     assert len(out) == 1 and len(out[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_greedy_parity_with_images_through_the_triton_kernels(tiny_vlms, references, family):
+    """The GPU path's kernels (in Triton's interpreter here) with images: chunks ending inside
+    an image, M-RoPE positions, single-token rows reordered first, a prefix-cache pass."""
+    prompts, expected = references[family]
+    tokens, llm = run(tiny_vlms[family], prompts, max_num_batched_tokens=8, block_size=4, num_kv_blocks=256,
+                      attention_backend="triton")
+    assert tokens == expected
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate([as_prompt(t, i) for t, i in prompts], params)] == expected
+    assert llm.engine.stats().prefix_cache_hit_tokens > 0

@@ -163,3 +163,29 @@ def test_ignore_eos_after_a_complete_answer_adds_only_stop_tokens(llm):
     eos = llm.tokenizer.eos_token_id
     first_eos = out.token_ids.index(eos)
     assert set(out.token_ids[first_eos:]) == {eos}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_token_the_grammar_rejects_fails_only_its_request(tiny_llama, monkeypatch, async_scheduling):
+    """A rejected token (here: the mask is not applied, as if the logits were all NaN) fails
+    its request; with asynchronous scheduling its next step was already scheduled, and the
+    runner must still run it and everyone else's (it once crashed the decoder)."""
+    from workers.structured_decoding import StructuredDecoding
+
+    monkeypatch.setattr(StructuredDecoding, "apply", staticmethod(lambda logits, masks: None))
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=async_scheduling)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [5, 6, 7], [8, 9]],
+                        [constrained("regex", "a{40}", temperature=0), free, free])
+    assert outs[0].finish_reason == "error" and "grammar" in outs[0].error
+    assert [len(o.token_ids) for o in outs[1:]] == [12, 12]
+    assert llm.generate([[5, 6, 7]], free)[0].token_ids == outs[1].token_ids
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-45), dict(temperature=1.0, repetition_penalty=1e38, seed=1)],
+                         ids=["tiny-temperature", "huge-penalty"])
+def test_extreme_sampling_values_still_follow_the_grammar(llm, params):
+    """Both once sent every logit to inf, -inf or NaN, so argmax picked token 0 whatever the
+    grammar allowed."""
+    out = llm.generate([[5, 6, 7]], constrained("regex", "[a-z]{12}", **params))[0]
+    assert out.finish_reason == "stop" and len(out.text) == 12 and out.text.isalpha(), (out.text, out.error)

@@ -6,6 +6,8 @@ Both the offline `LLM` and the decoder process drive their EngineCore through th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.adapters import adapter_for
@@ -19,6 +21,8 @@ from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner
 from workers.paged_attention import resolve_attention_backend
+
+logger = logging.getLogger("antiphon")
 
 
 class InProcessExecutor:
@@ -43,6 +47,7 @@ class InProcessExecutor:
             self.embedding_source = InProcessEncoder(self.adapter, dtype, device, global_encoder_cache_size(
                 config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
+        self.model_config = model_config
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.device = device
         self.is_accelerated = device.type == "cuda"
@@ -69,6 +74,11 @@ class InProcessExecutor:
         mode = self.config.decode_graphs
         if mode == "auto":
             usable = self.device.type == "cuda" and self.attention_backend == "triton" and self.adapter is None
+            if usable and "dynamic" in _rope_type(self.model_config):
+                # Dynamic RoPE scaling compares the longest position with a cached length on
+                # the host in every forward: that cannot be captured.
+                logger.info("CUDA graphs off: dynamic RoPE scaling reads positions on the host")
+                usable = False
             return "capture" if usable else "off"
         return mode
 
@@ -78,7 +88,9 @@ class InProcessExecutor:
         return ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
                                                     spec.head_dim), self.adapter, grammars,
                            attention_backend=self.attention_backend, decode_graphs=decode_graphs,
-                           max_graph_batch_size=min(self.config.max_graph_batch_size, self.config.max_num_seqs),
+                           # No decode batch is larger than either of the scheduler's limits.
+                           max_graph_batch_size=min(self.config.max_graph_batch_size, self.config.max_num_seqs,
+                                                    self.config.max_num_batched_tokens),
                            max_model_len=max_model_len)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -89,6 +101,12 @@ class InProcessExecutor:
             self.runner.structured.close()
         self.grammars.close()
         self.runner = None
+
+
+def _rope_type(model_config) -> str:
+    text = model_config.get_text_config()
+    parameters = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return str(parameters.get("rope_type", parameters.get("type", "default")))
 
 
 def kv_cache_spec(model_config, dtype: torch.dtype) -> KVCacheSpec:

@@ -18,6 +18,7 @@ positions (M-RoPE for Qwen2-VL) through its adapter.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAtten
                                      step_metadata)
 from workers.sampler import SamplingRow, sample
 from workers.structured_decoding import StructuredDecoding
+
+logger = logging.getLogger("antiphon")
 
 # Decodes whose context is shorter than this fraction of a group's longest start a new
 # group: fewer padded keys to read, at the cost of one more attention call per layer.
@@ -100,14 +103,24 @@ class ModelRunner:
                 raise ValueError("decode graphs need the triton attention backend, a text-only model and "
                                  "max_model_len")
             self.graphs = DecodeGraphs(
-                self._decode_forward, self.kv_caches, self.block_size, -(-max_model_len // self.block_size),
+                self._decode_forward, self.kv_caches, self.block_size, max_model_len,
                 max_graph_batch_size, self.device, capture=decode_graphs == "capture", to_device=self.to_device)
 
     def capture_graphs(self) -> None:
-        """Record the decode graphs (after the KV caches exist, before the first step)."""
-        if self.graphs is not None:
+        """Record the decode graphs (after the KV caches exist, before the first step). A
+        model whose forward cannot be captured (one that reads a tensor's value on the host,
+        as dynamic and long RoPE scaling do) is served eagerly, with a warning that says why."""
+        if self.graphs is None or not self.graphs.record:
+            return
+        torch.cuda.set_device(self.device)
+        try:
             with torch.inference_mode():
                 self.graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves eager decoding, which works
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
@@ -148,6 +161,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.device.type == "cuda":
+            # Per thread, and steps may run on the core's worker thread: Triton launches and
+            # events use the current device, whatever device the tensors are on.
+            torch.cuda.set_device(self.device)
         self._update_states(sched)
         try:
             return self._execute(sched)
@@ -184,10 +201,12 @@ class ModelRunner:
             for s in rows], constrain=(lambda x: self.structured.apply(x, step_masks)) if step_masks else None)
         for index, (row, state, token_id, lp) in enumerate(zip(batch.sample_rows, rows, token_ids, logprobs)):
             request_id = request_ids[row]
+            # Appended even when the request fails: with asynchronous scheduling its next step
+            # is already scheduled and must find as many tokens as it was given.
+            state.token_ids.append(token_id)
             if step_masks is not None and index in step_masks.errors:
                 output.errors[request_id] = step_masks.errors[index]
                 continue
-            state.token_ids.append(token_id)
             output.sampled_token_ids[request_id] = token_id
             if lp is not None:
                 output.logprobs[request_id] = lp
@@ -202,7 +221,8 @@ class ModelRunner:
                                      batch.ends)
             if len(batch.sample_rows) == len(batch.ends):
                 return logits
-            return logits[self.to_device("sample_rows", np.asarray(batch.sample_rows))]
+            # In a pure-decode step a row's logits index is the row itself.
+            return logits[self.to_device("logits_index", batch.logits_index)]
         attention, positions = self._attention_metadata(batch, states)
         input_ids = self.to_device("input_ids", batch.input_ids).unsqueeze(0)
         if self.adapter is None:
@@ -227,15 +247,18 @@ class ModelRunner:
         input_ids: list[int] = []
         for state, start, end in zip(states, starts.tolist(), ends.tolist()):
             input_ids.extend(state.token_ids[start:end])
+        if len(input_ids) != total:
+            raise RuntimeError(f"the runner holds {len(input_ids)} of the {total} tokens scheduled this step")
         positions = np.repeat(starts - query_offsets, counts) + np.arange(total)
         rope_positions = self._mrope(states, starts, ends, query_offsets, positions) if self.uses_mrope else None
 
         max_blocks = max(len(s.block_ids) for s in states)
-        table = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        # int32 is what the kernels read; the torch path indexes with int64 and would convert.
+        table = np.zeros((num_rows, max_blocks), dtype=np.int32 if self.use_kernels else np.int64)
         for row, state in enumerate(states):
             table[row, :len(state.block_ids)] = state.block_ids
         row_of_token = np.repeat(np.arange(num_rows), counts)
-        slot_mapping = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = table[row_of_token, positions // bs].astype(np.int64, copy=False) * bs + positions % bs
 
         # Only requests whose step reaches their last known token produce a new token.
         num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_rows)
@@ -297,8 +320,7 @@ class ModelRunner:
             span = PrefillSpan(q0, q0 + end - start)
             if start > 0:
                 ctx = np.arange(end)
-                span.context_slots = torch.from_numpy(table[row, ctx // bs].astype(np.int64) * bs + ctx % bs).to(
-                    self.device)
+                span.context_slots = torch.from_numpy(table[row, ctx // bs] * bs + ctx % bs).to(self.device)
                 span.causal_mask = (torch.arange(end).unsqueeze(0)
                                     <= torch.arange(start, end).unsqueeze(1)).to(self.device)
             prefill_spans.append(span)
@@ -343,7 +365,7 @@ class ModelRunner:
         bs = self.block_size
         lengths = ends[rows]
         ctx = np.arange(int(lengths.max()))
-        slots = table[rows][:, ctx // bs].astype(np.int64) * bs + ctx % bs
+        slots = table[rows][:, ctx // bs] * bs + ctx % bs
         mask = torch.from_numpy(ctx[None, :] < lengths[:, None])[:, None, None, :]
         return DecodeGroup(
             query_index=torch.from_numpy(query_offsets[rows]).to(self.device),
@@ -359,7 +381,7 @@ class PackedBatch:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T], or [3, T] for M-RoPE
     slot_mapping: np.ndarray  # [T]
-    block_tables: np.ndarray  # [R, max_blocks] int32
+    block_tables: np.ndarray  # [R, max_blocks]: int32 for the kernels, int64 for the torch path
     counts: np.ndarray  # [R] tokens scheduled per row
     # The leading rows that hold one token each.
     num_decodes: int

@@ -18,6 +18,7 @@ the forward), not through the model's arguments, which then carry only tensors.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the triton attention backend runs on CUDA; on {device.type} only in Triton's "
+                         "interpreter (TRITON_INTERPRET=1, for tests)")
     return backend
 
 
@@ -107,7 +111,7 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def step_metadata(meta: PagedAttentionMetadata):
+def step_metadata(meta: PagedAttentionMetadata | BlockTableMetadata):
     """The metadata every attention layer of a forward run inside this block uses."""
     previous = getattr(_current, "step", None)
     _current.step = meta
@@ -171,26 +175,24 @@ def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: 
 
 def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton path: write the step's K/V, then at most two attention launches."""
+    """The Triton path: write the step's K/V, then at most two attention launches, each
+    writing its rows of one output. The kernels take the layer's transposed views ([T, H, D]
+    of [1, H, T, D]) by their strides: no copies."""
     # Imported here: importing Triton costs time every CPU process would otherwise pay.
     from kernels.cache_write import write_kv_cache
     from kernels.decode_attention import paged_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
 
-    # The layer hands transposed views ([T, H, D] of [1, H, T, D]); the kernels index rows densely.
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     d = meta.num_decodes
-    if meta.prefill_query_start_loc is None:
-        return paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens, scale,
-                                      meta.block_size)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if d:
-        out[:d] = paged_decode_attention(q[:d], key_cache, value_cache, meta.block_tables[:d],
-                                         meta.context_lens[:d], scale, meta.block_size)
-    out[d:] = paged_prefill_attention(q[d:], key_cache, value_cache, meta.block_tables[d:],
-                                      meta.prefill_query_start_loc, meta.context_lens[d:],
-                                      meta.max_prefill_query_len, scale, meta.block_size)
+        paged_decode_attention(q[:d], key_cache, value_cache, meta.block_tables[:d], meta.context_lens[:d], scale,
+                               meta.block_size, out=out[:d])
+    if meta.prefill_query_start_loc is not None:
+        paged_prefill_attention(q[d:], key_cache, value_cache, meta.block_tables[d:], meta.prefill_query_start_loc,
+                                meta.context_lens[d:], meta.max_prefill_query_len, scale, meta.block_size,
+                                out=out[d:])
     return out
 
 

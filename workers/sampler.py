@@ -35,19 +35,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    if constrain is not None or any(r.params.logit_bias for r in rows):
+    biased = any(r.params.logit_bias for r in rows)
+    penalized = any(r.params.uses_penalties for r in rows)
+    if constrain is not None or biased or penalized:
         logits = logits.clone()  # the raw logprobs above may share its memory
         for index, row in enumerate(rows):
             if row.params.logit_bias:
                 _apply_logit_bias(logits[index], row.params.logit_bias)
-        if constrain is not None:
-            constrain(logits)
-
-    if any(r.params.uses_penalties for r in rows):
-        logits = logits.clone()
-        for index, row in enumerate(rows):
             if row.params.uses_penalties:
                 _apply_penalties(logits[index], row)
+        if constrain is not None:
+            # Last, over finite values: a bias or penalty that sends every allowed token to
+            # -inf must not let a forbidden one win the tie.
+            logits.clamp_(min=torch.finfo(logits.dtype).min)
+            constrain(logits)
 
     greedy = all(r.params.greedy for r in rows)
     if greedy:
@@ -58,16 +59,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     token_list = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
-        for index, row in enumerate(rows):
-            n = row.params.logprobs
-            if n is None:
-                continue
-            top = []
-            if n > 0:
-                values, ids = raw_logprobs[index].topk(min(n, raw_logprobs.shape[-1]))
-                top = list(zip(ids.tolist(), values.tolist()))
-            logprobs[index] = TokenLogprobs(float(raw_logprobs[index, token_list[index]]), top)
+        _collect_logprobs(raw_logprobs, tokens, rows, logprobs)
     return token_list, logprobs
+
+
+def _collect_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                      out: list[TokenLogprobs | None]) -> None:
+    """The sampled token's log-probability and the top n of each row that asked, in one topk
+    and one read back from the device for all of them."""
+    asking = [index for index, row in enumerate(rows) if row.params.logprobs is not None]
+    index = torch.tensor(asking, device=raw_logprobs.device)
+    chosen = raw_logprobs[index].gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
+    most = min(max(rows[i].params.logprobs for i in asking), raw_logprobs.shape[-1])
+    top_values, top_ids = ([], [])
+    if most > 0:
+        values, ids = raw_logprobs[index].topk(most)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for position, row_index in enumerate(asking):
+        n = rows[row_index].params.logprobs
+        top = list(zip(top_ids[position][:n], top_values[position][:n])) if n > 0 else []
+        out[row_index] = TokenLogprobs(chosen[position], top)
 
 
 def _apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
@@ -82,16 +93,19 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     vocab = logits.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
-                            device=logits.device)
-        seen = seen[seen < vocab]
+        # Filtered on the host: a boolean mask on the device would read its count back.
+        seen = torch.tensor(sorted(t for t in set(row.prompt_token_ids) | set(row.output_token_ids) if t < vocab),
+                            dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                    values * params.repetition_penalty)
     if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device),
-                                minlength=vocab)[:vocab]
-        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        # scatter_add_, not bincount, which reads the largest id back to size its output.
+        output_ids = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long,
+                                  device=logits.device)
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
+            0, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+        logits -= params.frequency_penalty * counts
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -112,14 +126,14 @@ def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
 
-    noise = torch.empty_like(probs)
+    # One draw for the whole batch from the global generator, then the seeded rows redrawn
+    # from their own: one launch instead of one per row.
+    noise = torch.empty_like(probs).exponential_()
     for index, row in enumerate(rows):
         if row.params.seed is not None:
             seed = _step_seed(row.params.seed, len(row.output_token_ids))
             generator = torch.Generator(device=device).manual_seed(seed)
             noise[index].exponential_(generator=generator)
-        else:
-            noise[index].exponential_()
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([r.params.greedy for r in rows], device=device)
     return torch.where(is_greedy, greedy_tokens, sampled)
