@@ -44,6 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import online_softmax_step
+from kernels.paged_inputs import check_paged_inputs, output_for
+
 # Split-K heuristic (choose_num_splits). A split shorter than this many positions costs more
 # in its workspace round trip and reduction than it saves.
 POSITIONS_PER_SPLIT = 256
@@ -148,25 +151,15 @@ def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, v
     """
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} kv heads")
-    if key_cache.shape != value_cache.shape or key_cache.shape[2] != head_dim:
-        raise ValueError(f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} "
-                         f"do not match head_dim {head_dim}")
+    group = check_paged_inputs(query, key_cache, value_cache, block_tables)
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError(f"block tables {tuple(block_tables.shape)} and context_lens "
                          f"{tuple(context_lens.shape)} do not have {batch} rows")
-    if key_cache.stride(2) != 1 or value_cache.stride(2) != 1 or query.stride(2) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("query and caches need a contiguous head_dim, block tables contiguous rows")
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit the query {tuple(query.shape)} {query.dtype}")
+    out = output_for(query, out)
     if batch == 0:
         return out
-    group = num_q_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_dim))
     widen = triton.knobs.runtime.interpret if widen_operands is None else widen_operands
     single = num_splits == 1
@@ -230,18 +223,12 @@ def _attend_key_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, stride_
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             qk = tl.where(key_mask[None, :], qk, float("-inf"))
-        # The first tile of a split always holds a position of the context, so m_new is finite
-        # from there on and masked positions give exp2(-inf) = 0, never NaN.
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=v_mask, other=0.0)
         if WIDEN:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # The first tile of a split always holds a position of the context, so the running max is finite
+        # from there on and masked positions give exp2(-inf) = 0, never NaN.
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
     return acc, m_i, l_i
 
 

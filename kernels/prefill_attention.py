@@ -42,6 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import online_softmax_step
+from kernels.paged_inputs import check_paged_inputs, output_for
+
 
 @dataclass(frozen=True)
 class PrefillTiles:
@@ -100,20 +103,10 @@ def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, 
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} kv heads")
-    if key_cache.shape != value_cache.shape or key_cache.shape[2] != head_dim:
-        raise ValueError(f"cache shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)} "
-                         f"do not match head_dim {head_dim}")
-    if key_cache.stride(2) != 1 or value_cache.stride(2) != 1 or query.stride(2) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("query and caches need a contiguous head_dim, block tables contiguous rows")
-    group = num_q_heads // num_kv_heads
+    group = check_paged_inputs(query, key_cache, value_cache, block_tables)
     if tiles.block_m < group:
         raise ValueError(f"block_m {tiles.block_m} is smaller than the query group {group}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit the query {tuple(query.shape)} {query.dtype}")
+    out = output_for(query, out)
     num_requests = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_requests == 0:
         return out
@@ -181,18 +174,12 @@ def _attend_key_tiles(acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, 
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if CAUSAL:
             qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-        # Every row sees position 0 in the first tile, so m_i is finite from there on and
-        # fully masked rows of a later tile give exp2(-inf) = 0, never NaN.
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :], mask=v_mask, other=0.0)
         if WIDEN:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every row sees position 0 in the first tile, so the running max is finite from there on and
+        # fully masked rows of a later tile give exp2(-inf) = 0, never NaN.
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
     return acc, m_i, l_i
 
 

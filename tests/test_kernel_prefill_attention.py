@@ -21,13 +21,8 @@ from kernels.prefill_attention import (
     paged_prefill_attention_reference,
     paged_prefill_attention_tiled,
 )
+from tests.paged_cache_cases import HUGE_BLOCK_ID, TOLERANCES, scattered_cache
 
-TOLERANCES = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-}
-HUGE_BLOCK_ID = 2**31 - 1
 
 
 @dataclass
@@ -55,33 +50,9 @@ def make_batch(q_lens: list[int], prefix_lens: list[int], *, num_kv_heads: int =
     request 0's (a cached prefix shared by all of them)."""
     gen = torch.Generator().manual_seed(seed)
     context_lens = [q + p for q, p in zip(q_lens, prefix_lens, strict=True)]
-    blocks_per_row = [math.ceil(c / block_size) for c in context_lens]
-    max_blocks = max(blocks_per_row) + 3
-    # Twice the blocks needed, in random order: the ids a batch uses have holes and no order.
-    num_blocks = 2 * sum(blocks_per_row) + 2
-    free_ids = torch.randperm(num_blocks, generator=gen).tolist()
-    poison_block = free_ids.pop()
-    garbage = [-1, HUGE_BLOCK_ID, poison_block]
-    block_tables = torch.empty(len(q_lens), max_blocks, dtype=torch.int32)
-    for r, needed in enumerate(blocks_per_row):
-        if r > 0 and shared_blocks:
-            assert needed >= shared_blocks and blocks_per_row[0] >= shared_blocks
-            row = block_tables[0, :shared_blocks].tolist() + [free_ids.pop() for _ in range(needed - shared_blocks)]
-        else:
-            row = [free_ids.pop() for _ in range(needed)]
-        row += [garbage[(r + j) % len(garbage)] for j in range(max_blocks - needed)]
-        block_tables[r] = torch.tensor(row, dtype=torch.int32)
-
-    num_slots = num_blocks * block_size
-    key_cache = torch.full((num_slots, num_kv_heads, head_dim), float("nan"))
-    value_cache = torch.full((num_slots, num_kv_heads, head_dim), float("nan"))
-    for r, context_len in enumerate(context_lens):
-        pos = torch.arange(context_len)
-        slots = block_tables[r, pos // block_size].long() * block_size + pos % block_size
-        # Shared slots are written again with the same values: a shared block holds one prefix.
-        fresh = torch.isnan(key_cache[slots, 0, 0])
-        key_cache[slots[fresh]] = torch.randn(int(fresh.sum()), num_kv_heads, head_dim, generator=gen)
-        value_cache[slots[fresh]] = torch.randn(int(fresh.sum()), num_kv_heads, head_dim, generator=gen)
+    key_cache, value_cache, block_tables = scattered_cache(
+        context_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        shared_blocks=shared_blocks, extra_columns=3, gen=gen)
     query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return PackedBatch(query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), block_tables, query_start_loc,
