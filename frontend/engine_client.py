@@ -147,9 +147,26 @@ class EngineClient:
             self._background.append(asyncio.create_task(self._read_speech(), name="speech-reader"))
         for task in self._background:
             task.add_done_callback(self._background_task_ended)
-        await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
+        if self._decoder_measures_gpu_memory():
+            # The decoder sizes its KV pool from what the GPU has free once it has loaded: the
+            # other workers (the encoder's tower and cache on the same GPU) load first, so the
+            # measure counts them instead of racing them.
+            await asyncio.gather(*(self._spawn(worker) for worker in self.workers if worker != "decoder"))
+            await self._spawn("decoder")
+        else:
+            await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
         if not self._failed:
             self.status = "ready"
+
+    def _decoder_measures_gpu_memory(self) -> bool:
+        config = self.config
+        if config.num_kv_blocks is not None or config.kv_cache_memory_gib is not None:
+            return False
+        if config.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return config.device.startswith("cuda")
 
     async def _spawn(self, worker: str) -> None:
         socket = self.context.socket(zmq.PUSH)

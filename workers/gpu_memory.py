@@ -12,8 +12,10 @@ step takes beyond the weights and that cache. The pool then gets what is left of
 CUDA graphs are captured after the pool exists, from the (1 - utilization) margin: their
 pool holds about one step's activations at the largest graph size plus one shared logits
 buffer (workers/decode_graphs.py). The measure counts every process on the device: a second
-engine on the same GPU gets what this one leaves, not half of it. With images, the encoder
-process starts beside the decoder and its tower is counted only if it has loaded by then.
+engine on the same GPU gets what this one leaves, not half of it; the server starts the decoder
+after its other workers on a GPU (frontend/engine_client.py), so the encoder's tower, warm-up and
+cache are counted. The encoder's global cache grows after start: encoder_cache_gib must fit in
+the (1 - utilization) margin.
 """
 
 from __future__ import annotations

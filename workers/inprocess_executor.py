@@ -48,6 +48,7 @@ class InProcessExecutor:
                 config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
         self.kv_cache_spec = kv_cache_spec(model_config, dtype)
         self.model_config = model_config
+        self.model_dtype = dtype
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.device = device
         self.is_accelerated = device.type == "cuda"
@@ -59,10 +60,21 @@ class InProcessExecutor:
         if self.device.type != "cuda":
             return None
         config = self.config
-        return profile_kv_cache_bytes(
+        free = profile_kv_cache_bytes(
             lambda num_blocks: self._runner(num_blocks, config.block_size, grammars=None),
             self.kv_cache_spec, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
             config.gpu_memory_utilization, self.device)
+        if self.adapter is None:
+            return free
+        # The encoder's global cache fills after start, on the same device: leave it room.
+        bytes_per_embedding = self.adapter.embedding_size() * self.model_dtype.itemsize
+        encoder_cache = global_encoder_cache_size(config, self.max_embeddings_per_item, bytes_per_embedding)
+        left = free - encoder_cache * bytes_per_embedding
+        if left < 2 * self.kv_cache_spec.bytes_per_block(config.block_size):
+            raise RuntimeError(f"the encoder cache ({encoder_cache * bytes_per_embedding / (1 << 30):.2f} GiB, "
+                               "--encoder-cache-gib) leaves no GPU memory for the KV cache; lower it or raise "
+                               "--gpu-memory-utilization")
+        return left
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.runner = self._runner(num_blocks, block_size, self.grammars, self._decode_graphs(), max_model_len)
