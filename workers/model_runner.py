@@ -108,8 +108,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Record the decode graphs (after the KV caches exist, before the first step). A
-        model whose forward cannot be captured (one that reads a tensor's value on the host,
-        as dynamic and long RoPE scaling do) is served eagerly, with a warning that says why."""
+        model whose forward cannot be captured (one that reads a tensor's value on the host;
+        dynamic RoPE scaling is turned away before this) is served eagerly, with a warning."""
         if self.graphs is None or not self.graphs.record:
             return
         torch.cuda.set_device(self.device)
