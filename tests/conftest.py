@@ -3,6 +3,11 @@ import os
 # Triton kernels run in the interpreter on CPU machines; this must be set before any
 # @triton.jit decorator runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite is the CPU suite, on a GPU machine too: with a GPU visible, "auto" would put the
+# engine on CUDA with interpreted kernels (neither fast nor what CI checks). The GPU is checked
+# by benchmarks/gpu.py. ANTIPHON_TEST_CUDA=1 leaves it visible, for whoever wants to try.
+if os.environ.get("ANTIPHON_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # Parity with transformers is asserted in exact mode; the faster CPU modes (bf16, int8) have
 # their own tests (tests/test_cpu_linear.py), which name their mode.
 os.environ.setdefault("ANTIPHON_QUANTIZATION", "none")
