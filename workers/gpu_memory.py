@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from engine.config import GIB
 from engine.executor import KVCacheSpec
 from engine.sampling_params import SamplingParams
 
@@ -34,7 +35,6 @@ from engine.scheduler_output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger("antiphon")
 
-GIB = 1 << 30
 
 
 def profile_kv_cache_bytes(make_runner, spec: KVCacheSpec, block_size: int, max_num_batched_tokens: int,

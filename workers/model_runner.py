@@ -215,8 +215,7 @@ class ModelRunner:
     def _forward(self, batch: "PackedBatch", states: list[RunnerRequest]) -> torch.Tensor:
         """Logits of the rows that sample, in batch.sample_rows order."""
         is_pure_decode = batch.num_decodes == len(batch.ends)
-        if (self.graphs is not None and is_pure_decode
-                and self.graphs.padded_size(len(batch.ends)) is not None):
+        if self.graphs is not None and is_pure_decode and len(batch.ends) <= self.graphs.max_batch_size:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                                      batch.ends)
             if len(batch.sample_rows) == len(batch.ends):

@@ -69,11 +69,12 @@ def _collect_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: li
     and one read back from the device for all of them."""
     asking = [index for index, row in enumerate(rows) if row.params.logprobs is not None]
     index = torch.tensor(asking, device=raw_logprobs.device)
-    chosen = raw_logprobs[index].gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
+    asked = raw_logprobs[index]
+    chosen = asked.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
     most = min(max(rows[i].params.logprobs for i in asking), raw_logprobs.shape[-1])
     top_values, top_ids = ([], [])
     if most > 0:
-        values, ids = raw_logprobs[index].topk(most)
+        values, ids = asked.topk(most)
         top_values, top_ids = values.tolist(), ids.tolist()
     for position, row_index in enumerate(asking):
         n = rows[row_index].params.logprobs
