@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.executor import KVCacheSpec
 
 # How a CPU may serve the linear layers (workers/cpu_linear.py).
-QUANTIZATION_MODES = ("none", "bf16", "int8")
+QUANTIZATION_MODES = ("none", "bf16", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -9,7 +9,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.reference import hf_greedy
 from workers import cpu_linear
+from workers.cpu_int4 import Int4Linear
 from workers.cpu_linear import PackedLinear, prepare_linear_layers, resolve_quantization
+from workers.cpu_output_layer import RescoredOutputLayer
 
 
 @pytest.mark.parametrize("rows", [1, 7])
@@ -53,17 +55,26 @@ def test_the_test_suite_runs_in_exact_mode():
     assert EngineConfig(model="unused").quantization == "none"
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_every_linear_is_converted_the_output_matrix_and_the_tied_embedding_stay_float(tiny_llama, mode):
     llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)
     model = llm.engine.core.executor.model
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     embedding = model.get_input_embeddings().weight
     assert embedding.dtype == torch.float32
-    # The output matrix stays float32 in every mode (close logits decide greedy tokens).
-    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.float32
+    # Exact mode: a float32 output matrix. The others: bfloat16 with each row's top candidates
+    # recomputed in float32 (from the embedding table when tied: the same tensor, not a copy).
+    if mode == "none":
+        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.float32
+    else:
+        assert isinstance(model.lm_head, RescoredOutputLayer)
+        exact = model.lm_head.exact_weight
+        assert exact.dtype == torch.float32 and exact.shape == (model.lm_head.out_features, embedding.shape[1])
+        assert (exact.data_ptr() == embedding.data_ptr()) == model.config.tie_word_embeddings
     body = model.model.layers[0].mlp.down_proj
-    if mode == "int8":
+    if mode == "int4":
+        assert isinstance(body, Int4Linear)
+    elif mode == "int8":
         from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
         assert isinstance(body, DynamicQuantizedLinear)
     else:

@@ -9,8 +9,9 @@ from engine import LLM, SamplingParams
 README_QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4")]
 
 
-# bf16 is what `--quantization auto` serves on CPUs with native bfloat16; it must still answer.
-@pytest.mark.parametrize("mode", ["none", "bf16"])
+# auto serves the default model 4-bit (its weights are) with bfloat16 activations on CPUs with
+# native bfloat16 (tests/test_cpu_int4.py); every mode must still answer.
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4"])
 def test_default_model_answers_the_readme_questions(mode):
     llm = LLM(num_kv_blocks=64, quantization=mode)
     for question, answer in README_QUESTIONS:

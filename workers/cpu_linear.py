@@ -33,42 +33,13 @@ import warnings
 import torch
 
 from engine.config import QUANTIZATION_MODES
+from workers.cpu_int4 import Int4Linear, can_quantize, on_int4_grid, quantize_int4
+from workers.cpu_output_layer import RescoredOutputLayer
+from workers.cpu_packed_linear import PackedLinear
 
 # Quality bound for the automatic choice: perplexity of the default model within this factor
 # of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x; int8 2.51x.
 AUTO_PERPLEXITY_BOUND = 1.02
-
-
-class PackedLinear(torch.nn.Module):
-    """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16.
-    In bfloat16 the input is rounded to bfloat16 and so is the product (oneDNN returns the
-    weight's type); it goes back to float32 before the bias, which stays float32 (Qwen2's
-    large q/k biases would lose digits in bfloat16)."""
-
-    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = dtype
-        # The batch-size hint only picks the blocking; any number of rows runs with it.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
-            linear.weight.detach().to(dtype), 1), persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
-        # Some modeling code reads `layer.weight.dtype` / `.shape` (e.g. to cast its input):
-        # a free stand-in with the shape and the float32 type this module takes.
-        self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        rows = x.reshape(-1, self.in_features)
-        if self.dtype == torch.float32:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows.to(self.dtype), self.packed_weight, None, "none", [], "")
-            out = out.float() if self.bias is None else out.float() + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(input_dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"
 
 
 def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -115,16 +86,23 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
     return requested
 
 
-def prepare_linear_layers(model: torch.nn.Module, mode: str) -> int:
-    """Replace every float32 nn.Linear of `model` (on CPU) by its fast form; returns how many.
-    Mode "none" without oneDNN keeps the layers as they are."""
+def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: bool = False) -> dict[str, int]:
+    """Replace every float32 nn.Linear of `model` (on CPU) by its fast form; returns how many
+    layers became what. Mode "none" without oneDNN keeps the layers as they are.
+
+    `int4_where_exact` (what `auto` asks for): a layer whose weights already lie on the 4-bit
+    grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit, losing nothing; the
+    others take `mode`. Outside exact mode the output matrix is bfloat16 with its top
+    candidates recomputed in float32 (cpu_output_layer.py); in exact mode it is float32."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    counts: dict[str, int] = {}
     if mode == "none" and not can_pack():
-        return 0
+        return counts
     convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
-               "int8": int8_linear}[mode]
+               "int8": int8_linear, "int4": int4_linear}[mode]
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     names = [name for name, module in model.named_modules()
              if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
              and module.weight.device.type == "cpu"]
@@ -134,7 +112,31 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        keep_float = module is output_layer and can_pack()
-        setattr(parent, child, PackedLinear(module) if keep_float else convert(module))
+        if module is output_layer and can_pack():
+            if mode == "none":
+                replacement, kind = PackedLinear(module), "float32 output"
+            else:
+                # Tied to the embedding table: its float weights serve the exact candidates.
+                tied = input_embeddings is not None and input_embeddings.weight is module.weight
+                exact = module.weight if tied else module.weight.detach().clone()
+                replacement, kind = RescoredOutputLayer(module, exact), "bf16 output, top candidates float32"
+        elif int4_where_exact and mode != "int4" and can_quantize(module):
+            quantized = quantize_int4(module.weight)
+            if on_int4_grid(module.weight, quantized):
+                replacement, kind = Int4Linear(module, quantized), "int4 (exact: weights already 4-bit)"
+            else:
+                replacement, kind = convert(module), mode
+        else:
+            replacement, kind = convert(module), mode
+        setattr(parent, child, replacement)
+        counts[kind] = counts.get(kind, 0) + 1
         del module
-    return len(names)
+    return counts
+
+
+def int4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """Every layer 4-bit, lossy for a checkpoint that was not (a layer whose inputs do not
+    split into groups of 32 stays bfloat16)."""
+    if not can_quantize(linear):
+        return PackedLinear(linear, torch.bfloat16)
+    return Int4Linear(linear, quantize_int4(linear.weight))

@@ -51,8 +51,9 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     check_model_supported(model)
     model = model.to(device).eval()
     if device.type == "cpu" and dtype == torch.float32:
-        converted = prepare_linear_layers(model, mode)
-        logger.info("CPU linear layers: %d in mode %s%s", converted, mode,
-                    " (chosen by auto: native bfloat16 here)" if quantization == "auto" and mode == "bf16"
-                    else " (chosen by auto)" if quantization == "auto" else "")
+        # auto: a layer whose weights are already 4-bit is served so, losing nothing.
+        counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
+        logger.info("CPU linear layers (--quantization %s%s): %s", quantization,
+                    f" -> {mode}" if quantization == "auto" else "",
+                    ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "unchanged")
     return model

@@ -1,0 +1,142 @@
+"""4-bit CPU weights (--quantization int4, and auto where a checkpoint is 4-bit already) and the
+bfloat16 output matrix whose top candidates are float32 (every mode but exact)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from workers import cpu_int4
+from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
+from workers.cpu_linear import prepare_linear_layers
+from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
+from workers.cpu_packed_linear import PackedLinear
+
+
+def linear_on_grid(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    """A layer as a Q4_1 checkpoint holds it: code * scale + minimum per group of 32 inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP_SIZE
+    codes = torch.randint(0, 16, (out_features, groups, GROUP_SIZE), generator=generator).float()
+    # As llama.cpp quantizes Q4_1: a group's minimum is code 0 and its maximum code 15.
+    codes[..., 0], codes[..., 1] = 0, 15
+    scales = torch.rand(out_features, groups, 1, generator=generator) * 0.01 + 0.001
+    minimums = -8 * scales + torch.randn(out_features, groups, 1, generator=generator) * 0.001
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_((codes * scales + minimums).view(out_features, in_features))
+    return linear
+
+
+def test_weights_already_on_the_grid_quantize_exactly_and_others_do_not():
+    on_grid = linear_on_grid(96, 40).weight
+    quantized = quantize_int4(on_grid)
+    assert on_int4_grid(on_grid, quantized)
+    torch.testing.assert_close(quantized.dequantize(), on_grid, rtol=0, atol=1e-6)
+    generic = torch.randn(40, 96) * 0.02
+    assert not on_int4_grid(generic, quantize_int4(generic))
+    # A constant group (all codes equal) is on the grid too, without dividing by a zero step.
+    constant = torch.full((4, 32), 0.25)
+    assert on_int4_grid(constant, quantize_int4(constant))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_computes_the_dequantized_product_for_single_rows_and_batches(bias):
+    linear = linear_on_grid(128, 80, bias=bias)
+    if bias:
+        with torch.no_grad():
+            linear.bias.normal_()
+    layer = Int4Linear(linear, quantize_int4(linear.weight))
+    for rows in (1, 2, cpu_int4.MAX_INT4_ROWS + 1, 9):
+        x = torch.randn(1, rows, 128)
+        out = layer(x)
+        assert out.shape == (1, rows, 80) and out.dtype == torch.float32
+        # bfloat16 activations (and, on the 4-bit path, bfloat16 scales): bf16-mode tolerance.
+        torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=0.03, atol=0.03)
+
+
+def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatch):
+    """A request's numbers must not depend on how many others share its step beyond rounding."""
+    linear = linear_on_grid(256, 64, seed=3)
+    layer = Int4Linear(linear, quantize_int4(linear.weight))
+    x = torch.randn(2, 256)
+    four_bit = layer(x)
+    monkeypatch.setattr(cpu_int4, "MAX_INT4_ROWS", 0)
+    torch.testing.assert_close(layer(x), four_bit, rtol=0.02, atol=0.02)
+
+
+def test_explicit_int4_quantizes_any_layer_and_keeps_the_kernels_misfits_bfloat16():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 20), torch.nn.Linear(20, 16))
+    counts = prepare_linear_layers(model, "int4")
+    assert isinstance(model[0], Int4Linear)
+    # 20 outputs (the kernel's tiles are 16) and 20 inputs (groups of 32): bfloat16.
+    assert all(isinstance(model[i], PackedLinear) and model[i].dtype == torch.bfloat16 for i in (1, 2))
+    assert counts == {"int4": 3}
+
+
+def test_auto_serves_4bit_only_the_layers_that_were_4bit_already():
+    model = torch.nn.Sequential(linear_on_grid(64, 32), torch.nn.Linear(32, 16))
+    counts = prepare_linear_layers(model, "bf16", int4_where_exact=True)
+    assert isinstance(model[0], Int4Linear)
+    assert isinstance(model[1], PackedLinear) and model[1].dtype == torch.bfloat16
+    assert counts == {"int4 (exact: weights already 4-bit)": 1, "bf16": 1}
+
+
+def test_the_default_model_is_4bit_already_so_auto_serves_every_layer_4bit():
+    """Its checkpoint comes from a Q4_1 GGUF file: the 4-bit form loses nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint import ensure_default_model
+
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+    counts = prepare_linear_layers(model, "bf16", int4_where_exact=True)
+    assert counts == {"int4 (exact: weights already 4-bit)": 30 * 7, "bf16 output, top candidates float32": 1}
+    # Tied output matrix: its exact candidates come from the embedding table itself.
+    assert model.lm_head.exact_weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_output_layer_logits_of_the_top_candidates_are_float32(rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 500, bias=False)
+    layer = RescoredOutputLayer(linear, linear.weight)
+    hidden = torch.randn(1, rows, 64)
+    logits = layer(hidden)
+    exact = F.linear(hidden, linear.weight)
+    assert logits.shape == exact.shape and logits.dtype == torch.float32
+    top = exact[0].topk(8, dim=-1).indices
+    torch.testing.assert_close(logits[0].gather(-1, top), exact[0].gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    # The tail is bfloat16: close, not exact.
+    torch.testing.assert_close(logits, exact, rtol=0.02, atol=0.05)
+
+
+def test_output_layer_picks_the_float32_winner_where_bfloat16_ties():
+    """Two tokens whose logits differ below bfloat16's step at that size: bf16 alone cannot
+    tell them apart, the float32 rescoring does."""
+    linear = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[20.0, 0.0], [20.0, 0.01], [1.0, 0.0]]))
+    hidden = torch.tensor([[1.0, 1.0]])
+    assert PackedLinear(linear, torch.bfloat16)(hidden)[0, 0] == PackedLinear(linear, torch.bfloat16)(hidden)[0, 1]
+    assert RescoredOutputLayer(linear, linear.weight)(hidden).argmax().item() == 1
+
+
+def test_output_layer_shares_a_tied_embedding_table_and_adds_a_bias_to_exact_logits():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 100)
+    layer = RescoredOutputLayer(linear, linear.weight)
+    assert layer.exact_weight.data_ptr() == linear.weight.data_ptr()
+    hidden = torch.randn(3, 32)
+    exact = linear(hidden)
+    top = exact.topk(EXACT_CANDIDATES // 2, dim=-1).indices
+    torch.testing.assert_close(layer(hidden).gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+
+
+def test_default_model_in_int4_answers_the_readme_questions():
+    from tests.test_default_model import README_QUESTIONS
+
+    llm = LLM(num_kv_blocks=64, quantization="int4")
+    for question, answer in README_QUESTIONS:
+        out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=30))[0]
+        assert answer in out.text, (question, out.text)

@@ -1,0 +1,106 @@
+"""4-bit weights for CPU decoding (`--quantization int4`, and `auto` where it loses nothing).
+
+A one-row product on a CPU is memory-bound: it reads the whole weight matrix to do little
+arithmetic, so reading 4 bits a weight instead of bfloat16's 16 makes it faster. The layout
+is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale and minimum
+(weight = code * scale + minimum, code 0..15). torch's own CPU kernel runs it
+(`_weight_int4pack_mm_for_cpu`, bfloat16 activations, float accumulation).
+
+That kernel is compute-bound from a few rows on (measured here for a 576 x 3072 matrix: as
+fast as bfloat16 for 1-2 rows, 2-2.5x slower from 4 rows), so each layer also keeps a
+bfloat16 copy of the same (dequantized) weights, oneDNN-packed, for batches and prefill:
+decoding one or two streams reads the 4-bit weights, anything larger the bfloat16 copy.
+
+Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
+that already lie on this grid: for them the conversion is exact, which `on_int4_grid` checks
+per layer; `auto` converts only such layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.cpu_packed_linear import PackedLinear
+
+GROUP_SIZE = 32
+MAX_CODE = 15
+# Up to this many rows the 4-bit kernel runs; more rows use the bfloat16 copy (see above).
+MAX_INT4_ROWS = 2
+# A weight "is on the grid" when every group reconstructs within this fraction of its step.
+GRID_TOLERANCE = 1e-3
+
+
+@dataclass
+class Int4Weight:
+    codes: torch.Tensor  # [N, K] int32 in 0..15
+    scales: torch.Tensor  # [N, K / 32] float32
+    minimums: torch.Tensor  # [N, K / 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        groups = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (groups * self.scales.unsqueeze(-1) + self.minimums.unsqueeze(-1)).view(n, k)
+
+
+def can_quantize(linear: torch.nn.Linear) -> bool:
+    """Whole groups along the input, and outputs in the kernel's tiles of 16."""
+    return (linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """Per group of 32 inputs: the minimum and (maximum - minimum) / 15 as the step."""
+    n, k = weight.shape
+    groups = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    minimums = groups.amin(-1)
+    # A constant group has no step; any positive one reconstructs it exactly (code 0).
+    scales = ((groups.amax(-1) - minimums) / MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = ((groups - minimums.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, MAX_CODE)
+    return Int4Weight(codes.view(n, k).to(torch.int32), scales, minimums)
+
+
+def on_int4_grid(weight: torch.Tensor, quantized: Int4Weight) -> bool:
+    """Whether the 4-bit form holds the same weights (a checkpoint that was 4-bit already)."""
+    n, k = weight.shape
+    error = (quantized.dequantize() - weight.float()).abs().view(n, k // GROUP_SIZE, GROUP_SIZE).amax(-1)
+    return bool((error <= GRID_TOLERANCE * quantized.scales).all())
+
+
+class Int4Linear(torch.nn.Module):
+    """`nn.Linear` on 4-bit weights for one or two rows, on their bfloat16 copy for more.
+    Takes and returns float32 (the input is rounded to bfloat16, as in the bf16 mode); the
+    bias stays float32 (added here, not by the copy)."""
+
+    def __init__(self, linear: torch.nn.Linear, quantized: Int4Weight) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_codes", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            quantized.codes, 1), persistent=False)
+        # The kernel's convention: weight = (code - 8) * scale + zero, so zero = minimum + 8 * scale.
+        zeros = quantized.minimums + 8 * quantized.scales
+        self.register_buffer("scales_and_zeros", torch.stack([quantized.scales.t(), zeros.t()], dim=-1)
+                             .to(torch.bfloat16).contiguous(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        # Batches run on the same weights as single rows: the dequantized ones, not the original.
+        dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
+        dense.weight.data = quantized.dequantize()
+        self.batched = PackedLinear(dense, torch.bfloat16)
+        # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
+        self.weight = self.batched.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Kept to the fewest torch calls: this runs ~200 times per decoded token.
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_INT4_ROWS:
+            return self.batched(x) if self.bias is None else self.batched(x) + self.bias
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(torch.bfloat16), self.packed_codes, GROUP_SIZE, self.scales_and_zeros).float()
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {GROUP_SIZE} (bfloat16 copy above {MAX_INT4_ROWS} rows)")

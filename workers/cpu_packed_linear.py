@@ -1,0 +1,37 @@
+"""A float linear layer whose weight oneDNN holds in its blocked layout (float32 or bfloat16)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PackedLinear(torch.nn.Module):
+    """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16.
+    In bfloat16 the input is rounded to bfloat16 and so is the product (oneDNN returns the
+    weight's type); it goes back to float32 before the bias, which stays float32 (Qwen2's
+    large q/k biases would lose digits in bfloat16)."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype
+        # The batch-size hint only picks the blocking; any number of rows runs with it.
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach().to(dtype), 1), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        # Some modeling code reads `layer.weight.dtype` / `.shape` (e.g. to cast its input):
+        # a free stand-in with the shape and the float32 type this module takes.
+        self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        rows = x.reshape(-1, self.in_features)
+        if self.dtype == torch.float32:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows.to(self.dtype), self.packed_weight, None, "none", [], "")
+            out = out.float() if self.bias is None else out.float() + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"
