@@ -187,12 +187,15 @@ def main() -> None:
 
     from workers.cpu_linear import resolve_quantization
 
-    default_mode = resolve_quantization(os.environ.get("ANTIPHON_QUANTIZATION", "auto"), torch.device("cpu"))
+    requested = os.environ.get("ANTIPHON_QUANTIZATION", "auto")
+    default_mode = resolve_quantization(requested, torch.device("cpu"))
+    if requested == "auto" and default_mode == "bf16":
+        default_mode = "auto: int4 where the weights are 4-bit, else bf16"
     path = ensure_default_model()
     engines: dict[str, object] = {}
     startup: dict[str, float] = {}
     engines["exact"], startup["exact"] = timed_load(lambda: LLM(quantization="none"))
-    engines["default"], startup["default"] = timed_load(lambda: LLM(quantization=default_mode))
+    engines["default"], startup["default"] = timed_load(lambda: LLM(quantization=requested))
     llama = None
     if not args.no_llama_cpp and (python := llama_cpp_python()) is not None:
         llama, startup["llama.cpp"] = timed_load(lambda: LlamaCpp(python, args.threads))
@@ -259,12 +262,14 @@ def main() -> None:
     if not args.no_perplexity:
         from benchmarks.perplexity import measure
         del hf, engines
-        perplexities = measure(["none", "bf16", "int8"], 512)
-    report(results, startup, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
+        from engine.config import QUANTIZATION_MODES
+        perplexities = measure([*QUANTIZATION_MODES, "auto"], 512)
+    fresh_process = {cache: fresh_process_startup(requested, cache) for cache in ("cold", "warm")}
+    report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
            streams, prefill_len, args.threads)
 
 
-def report(results, startup, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
+def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
            streams, prefill_len, threads) -> None:
     def med(engine, metric):
         values = results.get(engine, {}).get(metric)
@@ -287,6 +292,10 @@ def report(results, startup, default_mode, bandwidth, bytes_per_token, limit, pe
     for label, metric in rows:
         print(f"| {label} | " + " | ".join(cell(med(n, metric)) for n in present) + " |")
     print(f"| startup (s; model already converted) | " + " | ".join(cell(startup.get(n)) for n in present) + " |")
+    print(f"\nStartup of the default mode in a fresh process, imports included (`LLM()`): cold cache "
+          f"(an empty $ANTIPHON_CACHE: the model is converted from the package's GGUF file) "
+          f"{fresh_process['cold']:.1f} s, warm cache {fresh_process['warm']:.1f} s. There is no compile "
+          f"step to cache: the CPU path runs eagerly (README: torch.compile measured no gain).")
     exact = med("exact", "decode")
     print(f"\nfloat32 bandwidth limit: {bandwidth:.1f} GB/s read (median of the rounds) / "
           f"{bytes_per_token / 1e6:.0f} MB per token = "
@@ -306,6 +315,21 @@ def report(results, startup, default_mode, bandwidth, bytes_per_token, limit, pe
         for mode, value in perplexities.items():
             ratio = value / perplexities["none"]
             print(f"| {mode} | {value:.2f} | {ratio:.3f}x | {'yes' if ratio <= AUTO_PERPLEXITY_BOUND else 'no'} |")
+
+
+def fresh_process_startup(quantization: str, cache: str) -> float:
+    """Seconds from a new interpreter to a loaded engine, with an empty cache or the real one."""
+    import tempfile
+
+    code = ("import time; t = time.perf_counter(); from engine import LLM; "
+            f"LLM(quantization={quantization!r}); print(time.perf_counter() - t)")
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as empty:
+        if cache == "cold":
+            env["ANTIPHON_CACHE"] = empty
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                              check=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def cpu_name() -> str:

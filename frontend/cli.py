@@ -88,9 +88,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
                        default=None,
                        help="CPU linear layers: none is exact (float32, oneDNN-packed); bf16 halves the bytes read "
-                            "(fast on CPUs with native bfloat16); int8 quarters them but loses quality on small "
-                            "models; auto (default, or $ANTIPHON_QUANTIZATION) is bf16 where the CPU has native bfloat16, "
-                            "else none")
+                            "(fast on CPUs with native bfloat16); int4 reads 4-bit weights for small batches (lossy "
+                            "unless the checkpoint was 4-bit); int8 loses quality on small models; auto (default, or "
+                            "$ANTIPHON_QUANTIZATION): where the CPU has native bfloat16, int4 for layers already on "
+                            "the 4-bit grid (lossless: the default model's are) and bf16 for the rest, else none")
     group.add_argument("--encoder-cache-gib", type=float, default=1.0,
                        help="memory of the encoder's global cross-request cache of image embeddings (default 1)")
     group.add_argument("--no-encoder-cache", action="store_true",

@@ -47,7 +47,7 @@ def test_int4_linear_computes_the_dequantized_product_for_single_rows_and_batche
         with torch.no_grad():
             linear.bias.normal_()
     layer = Int4Linear(linear, quantize_int4(linear.weight))
-    for rows in (1, 2, cpu_int4.MAX_INT4_ROWS + 1, 9):
+    for rows in (1, 2, cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_INT4_ROWS + 1, 20):
         x = torch.randn(1, rows, 128)
         out = layer(x)
         assert out.shape == (1, rows, 80) and out.dtype == torch.float32

@@ -10,20 +10,23 @@ and benchmarks/perplexity.py):
   does between batch sizes. 1.5x faster than `F.linear` for one row here (1.8x for the
   output matrix), 1.4x for a 500-token prefill.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
-  rounds the product to bfloat16 too; the bias is added in float32. Half the bytes (but the
-  output matrix's, below); fast only where the CPU multiplies bfloat16
-  natively (AVX512-BF16 or AMX). Perplexity within 0.1% of "none" on the default model.
+  rounds the product to bfloat16 too; the bias is added in float32. Half the bytes; fast
+  only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Perplexity within
+  0.1% of "none" on the default model.
+- "int4": 4-bit weights in groups of 32 (GGUF's Q4_1 layout) for decode steps of up to 8
+  rows, a bfloat16 copy for larger ones (cpu_int4.py). An eighth of float32's bytes: 3x
+  faster than bf16 per one-row layer here. Lossy for a checkpoint that was not 4-bit.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
-  activations quantized per tensor on the fly. A quarter of the bytes and the fastest
-  here, but small models lose a lot (SmolLM2-135M: perplexity 2.5x), so never the default.
-- "auto" (the default): "bf16" where the CPU has native bfloat16, else "none".
+  activations quantized per tensor on the fly. Small models lose a lot (SmolLM2-135M:
+  perplexity 2.5x), so never the default.
+- "auto" (the default): where the CPU has native bfloat16, "int4" for every layer whose
+  weights already lie on the 4-bit grid (a checkpoint converted from a Q4_1 GGUF file, as
+  the default model is: nothing is lost) and "bf16" for the others; else "none".
 
-In every mode (where oneDNN is available, as in torch's x86 wheels) the output matrix (lm_head)
-stays float32, packed: greedy choices between
-close logits are where rounding shows first (in bf16 it turned the default model's answer to
-"What is the capital of France?" into French gibberish; float32 logits answer "Paris"). It
-is 20% of the default model's bytes. Being tied to the token embedding table, it is packed
-as a copy; the table keeps its float weights for lookups.
+Outside exact mode the output matrix (lm_head) is bfloat16 with each row's top candidates
+recomputed in float32 (cpu_output_layer.py); in exact mode it is float32, packed. Tied to
+the token embedding table, it is packed as a copy; the table keeps its float weights for
+lookups (and for those exact candidates).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from workers.cpu_output_layer import RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
 
 # Quality bound for the automatic choice: perplexity of the default model within this factor
-# of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x; int8 2.51x.
+# of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x, int4 and auto 0.998x;
+# int8 2.51x.
 AUTO_PERPLEXITY_BOUND = 1.02
 
 

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from workers.cpu_linear import prepare_linear_layers, resolve_quantization
+from workers.fused_rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
 
@@ -53,6 +54,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     if device.type == "cpu" and dtype == torch.float32:
         # auto: a layer whose weights are already 4-bit is served so, losing nothing.
         counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
+        fuse_rms_norms(model)
         logger.info("CPU linear layers (--quantization %s%s): %s", quantization,
                     f" -> {mode}" if quantization == "auto" else "",
                     ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "unchanged")
