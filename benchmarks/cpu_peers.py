@@ -192,6 +192,8 @@ def main() -> None:
     if requested == "auto" and default_mode == "bf16":
         default_mode = "auto: int4 where the weights are 4-bit, else bf16"
     path = ensure_default_model()
+    # First, while no engine holds memory or threads: a new process's startup, both caches.
+    fresh_process = {cache: fresh_process_startup(requested, cache) for cache in ("cold", "warm")}
     engines: dict[str, object] = {}
     startup: dict[str, float] = {}
     engines["exact"], startup["exact"] = timed_load(lambda: LLM(quantization="none"))
@@ -264,7 +266,6 @@ def main() -> None:
         del hf, engines
         from engine.config import QUANTIZATION_MODES
         perplexities = measure([*QUANTIZATION_MODES, "auto"], 512)
-    fresh_process = {cache: fresh_process_startup(requested, cache) for cache in ("cold", "warm")}
     report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
            streams, prefill_len, args.threads)
 
@@ -327,8 +328,9 @@ def fresh_process_startup(quantization: str, cache: str) -> float:
     with tempfile.TemporaryDirectory() as empty:
         if cache == "cold":
             env["ANTIPHON_CACHE"] = empty
-        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                              check=True)
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"starting an engine in a new process failed:\n{done.stderr[-3000:]}")
     return float(done.stdout.strip().splitlines()[-1])
 
 

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from engine.config import QUANTIZATION_MODES
-from workers.cpu_int4 import Int4Linear, can_quantize, on_int4_grid, quantize_int4
+from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
 from workers.cpu_output_layer import RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
 
@@ -85,8 +85,11 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
         if dtype != torch.float32:
             raise ValueError(f"quantization={requested} converts float32 weights; the model loads as {dtype} "
                              "(use --dtype float32, or quantization none)")
-        if requested == "bf16" and not can_pack():
-            raise ValueError("quantization=bf16 needs oneDNN (torch.backends.mkldnn), not available here")
+        if requested in ("bf16", "int4") and not can_pack():
+            raise ValueError(f"quantization={requested} needs oneDNN (torch.backends.mkldnn), not available here")
+        if requested == "int4" and not kernel_available():
+            raise ValueError("quantization=int4 needs torch's 4-bit CPU kernel (_weight_int4pack_mm_for_cpu), "
+                             "missing from this torch build")
     return requested
 
 
@@ -95,9 +98,10 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
     layers became what. Mode "none" without oneDNN keeps the layers as they are.
 
     `int4_where_exact` (what `auto` asks for): a layer whose weights already lie on the 4-bit
-    grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit, losing nothing; the
-    others take `mode`. Outside exact mode the output matrix is bfloat16 with its top
-    candidates recomputed in float32 (cpu_output_layer.py); in exact mode it is float32."""
+    grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit with no loss in its
+    codes; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
+    output matrix is bfloat16 with its top candidates recomputed in float32
+    (cpu_output_layer.py); otherwise it is float32, packed."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     counts: dict[str, int] = {}
@@ -106,7 +110,6 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
     convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
                "int8": int8_linear, "int4": int4_linear}[mode]
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     names = [name for name, module in model.named_modules()
              if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
              and module.weight.device.type == "cpu"]
@@ -117,21 +120,17 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
         if module is output_layer and can_pack():
-            if mode == "none":
-                replacement, kind = PackedLinear(module), "float32 output"
+            # Emulated bfloat16 would be slower than float32 (cpu_has_native_bf16).
+            if mode == "none" or not cpu_has_native_bf16():
+                replacement = PackedLinear(module)
             else:
-                # Tied to the embedding table: its float weights serve the exact candidates.
-                tied = input_embeddings is not None and input_embeddings.weight is module.weight
-                exact = module.weight if tied else module.weight.detach().clone()
-                replacement, kind = RescoredOutputLayer(module, exact), "bf16 output, top candidates float32"
-        elif int4_where_exact and mode != "int4" and can_quantize(module):
-            quantized = quantize_int4(module.weight)
-            if on_int4_grid(module.weight, quantized):
-                replacement, kind = Int4Linear(module, quantized), "int4 (exact: weights already 4-bit)"
-            else:
-                replacement, kind = convert(module), mode
+                # Tied or not, the float32 weights serve the exact candidates (no copy).
+                replacement = RescoredOutputLayer(module, module.weight)
+        elif int4_where_exact and can_quantize(module) and (quantized := int4_if_on_grid(module.weight)):
+            replacement = Int4Linear(module, quantized)
         else:
-            replacement, kind = convert(module), mode
+            replacement = convert(module)
+        kind = describe(replacement)
         setattr(parent, child, replacement)
         counts[kind] = counts.get(kind, 0) + 1
         del module
@@ -139,8 +138,21 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
 
 
 def int4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    """Every layer 4-bit, lossy for a checkpoint that was not (a layer whose inputs do not
-    split into groups of 32 stays bfloat16)."""
+    """Every layer 4-bit, lossy for a checkpoint that was not (a layer whose shape the kernel
+    does not take stays bfloat16)."""
     if not can_quantize(linear):
         return PackedLinear(linear, torch.bfloat16)
+    if not torch.isfinite(linear.weight).all():
+        raise ValueError(f"quantization=int4: a {tuple(linear.weight.shape)} linear layer has non-finite weights")
     return Int4Linear(linear, quantize_int4(linear.weight))
+
+
+def describe(layer: torch.nn.Module) -> str:
+    """What a converted layer is, for the load log: from its type, not from the mode asked."""
+    if isinstance(layer, Int4Linear):
+        return "int4"
+    if isinstance(layer, RescoredOutputLayer):
+        return "output bf16 (top candidates float32)"
+    if isinstance(layer, PackedLinear):
+        return "float32" if layer.dtype == torch.float32 else "bf16"
+    return "int8"

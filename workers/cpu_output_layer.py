@@ -1,28 +1,38 @@
-"""The output matrix (lm_head) in bfloat16, with the likeliest tokens' logits made exact.
+"""The output matrix (lm_head) in bfloat16, with the likeliest tokens' logits in float32.
 
 The output matrix is the largest one of a small model (SmolLM2-135M: 113 MB of its 538 in
 float32), so the fast CPU modes read it in bfloat16. But bfloat16 logits are coarse (steps of
-0.125 around 20), and greedy choices between close logits are where rounding shows first: a
+0.125 around 20) and greedy choices between close logits are where rounding shows first: a
 plain bfloat16 output matrix turned the default model's answer to "What is the capital of
-France?" into French gibberish. So the `EXACT_CANDIDATES` highest bfloat16 logits of each
-row are recomputed in float32 from the float weights (a gather of 32 rows, a few
-microseconds): greedy picks and the tokens that top-k / top-p sampling can reach get
-float32 logits, the tail keeps bfloat16 ones, which moves only its tiny probabilities.
+France?" into French gibberish. So the `EXACT_CANDIDATES` highest bfloat16 logits of each row
+are recomputed in float32 from the float weights (a gather of 32 rows: microseconds).
+
+What stays approximate: the other logits carry bfloat16 rounding (of the hidden state, the
+weights and the product), so sampling that reaches past the top 32 (a top-k above 32, top-p
+over a flat distribution, a high temperature) draws from slightly moved probabilities, and in
+a rare near-tie a bfloat16 value may still top the float32 ones. Rows whose logits the sampler
+changes before choosing (logit_bias, penalties, a grammar) or whose log-probabilities are
+returned get float32 logits for the whole row instead (`full_precision_rows`): after a bias or
+a mask the winner can be anywhere in the vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 
 from workers.cpu_packed_linear import PackedLinear
 
-# Covers greedy choices with margin, and --max-logprobs' default of 20 alternatives.
+# Covers greedy choices with a wide margin; more costs a larger gather per row.
 EXACT_CANDIDATES = 32
 
 
 class RescoredOutputLayer(torch.nn.Module):
-    """`nn.Linear` for logits: bfloat16 product, float32 for each row's top candidates.
-    `exact_weight` is the float32 matrix (for a tied model, the embedding table: no copy)."""
+    """`nn.Linear` for logits: bfloat16 product, float32 for each row's top candidates and for
+    the rows listed in `full_precision_rows`. `exact_weight` is the float32 matrix (for a tied
+    model, the embedding table itself: no copy)."""
 
     def __init__(self, linear: torch.nn.Linear, exact_weight: torch.Tensor,
                  candidates: int = EXACT_CANDIDATES) -> None:
@@ -31,18 +41,40 @@ class RescoredOutputLayer(torch.nn.Module):
         self.approximate = PackedLinear(linear, torch.bfloat16)
         self.register_buffer("exact_weight", exact_weight.detach(), persistent=False)
         self.candidates = min(candidates, self.out_features)
+        # Row indices (of this forward's output rows) computed wholly in float32; set per step
+        # by the runner through `full_precision_logits`.
+        self.full_precision_rows: list[int] = []
         self.weight = self.approximate.weight  # see PackedLinear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).float()
+        bias = self.approximate.bias
         logits = self.approximate(rows)
         candidates = logits.topk(self.candidates, dim=-1).indices  # [R, C]
         exact = torch.bmm(self.exact_weight[candidates], rows.unsqueeze(-1)).squeeze(-1)
-        if self.approximate.bias is not None:
-            exact = exact + self.approximate.bias[candidates]
+        if bias is not None:
+            exact = exact + bias[candidates]
         logits.scatter_(-1, candidates, exact)
+        if self.full_precision_rows:
+            index = torch.tensor(self.full_precision_rows, dtype=torch.long)
+            logits[index] = F.linear(rows[index], self.exact_weight, bias)
         return logits.view(*hidden.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 with the top "
                 f"{self.candidates} logits of each row in float32")
+
+
+@contextlib.contextmanager
+def full_precision_logits(model: torch.nn.Module, rows: list[int]):
+    """Within the block, the listed output rows of `model`'s forward get float32 logits (a
+    no-op for a model whose output layer is not a RescoredOutputLayer)."""
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(layer, RescoredOutputLayer) or not rows:
+        yield
+        return
+    layer.full_precision_rows = rows
+    try:
+        yield
+    finally:
+        layer.full_precision_rows = []

@@ -28,6 +28,7 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.cpu_output_layer import full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
 from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan,
@@ -191,7 +192,13 @@ class ModelRunner:
                            if request_ids[row] in self.structured.requests]
             if constrained:
                 masks = self.structured.start_step(len(rows), constrained)
-        logits = self._forward(batch, states)
+        # Rows whose logits the sampler changes (or returns as log-probabilities) need every
+        # logit exact where the output layer is bfloat16 (workers/cpu_output_layer.py).
+        exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
+                      if _reads_the_whole_row(state.sampling_params) or (
+                          self.structured is not None and request_ids[row] in self.structured.requests)]
+        with full_precision_logits(self.model, exact_rows):
+            logits = self._forward(batch, states)
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
@@ -371,6 +378,11 @@ class ModelRunner:
             context_slots=torch.from_numpy(slots).to(self.device),
             context_mask=mask.to(self.device),
         )
+
+
+def _reads_the_whole_row(params: SamplingParams) -> bool:
+    """A bias, a penalty or returned log-probabilities can make any token's logit matter."""
+    return bool(params.logit_bias) or params.uses_penalties or params.logprobs is not None
 
 
 @dataclass
