@@ -50,7 +50,7 @@ class DecodeGroup:
 
     query_index: torch.Tensor  # [B] rows of the packed batch
     context_slots: torch.Tensor  # [B, L] cache slots of each context, padded
-    context_mask: torch.Tensor  # [B, 1, 1, L] True where the slot is part of the context
+    context_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is part of the context; None: all are
 
 
 @dataclass
@@ -197,8 +197,9 @@ def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     context_slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D]; caches [slots, Hkv, D]; context_slots [B, L]; mask [B, 1, 1, L] -> [B, Hq, D].
+                     context_slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; caches [slots, Hkv, D]; context_slots [B, L]; mask [B, 1, 1, L] or None
+    (every slot in context) -> [B, Hq, D].
 
     One fused SDPA call with grouped-query heads sharing their KV head (keys and values are
     never repeated); the contexts are gathered with index_select, which on CPU measured 2x
