@@ -91,7 +91,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "(fast on CPUs with native bfloat16); int4 reads 4-bit weights for small batches (lossy "
                             "unless the checkpoint was 4-bit); int8 loses quality on small models; auto (default, or "
                             "$ANTIPHON_QUANTIZATION): where the CPU has native bfloat16, int4 for layers already on "
-                            "the 4-bit grid (lossless: the default model's are) and bf16 for the rest, else none")
+                            "the 4-bit grid (the default model's are: bf16-level accuracy) and bf16 for the rest, else none")
     group.add_argument("--encoder-cache-gib", type=float, default=1.0,
                        help="memory of the encoder's global cross-request cache of image embeddings (default 1)")
     group.add_argument("--no-encoder-cache", action="store_true",

@@ -48,13 +48,16 @@ def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_ba
             linear.bias.normal_()
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
+    torch.manual_seed(0)
     for rows in (1, 2, cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_INT4_ROWS + 1, 20):
         x = torch.randn(1, rows, 128)
         out = layer(x)
         assert out.shape == (1, rows, 80) and out.dtype == torch.float32
-        # bfloat16 activations and a bfloat16 product over the kernel's weights, bias in float32.
-        expected = F.linear(x.bfloat16().float(), quantized.kernel_weights(), linear.bias)
-        torch.testing.assert_close(out, expected, rtol=0.01, atol=0.005)
+        # bfloat16 activations and a bfloat16 product over the kernel's weights, then the float32
+        # bias: the product's rounding is relative to the product, so compare it without the bias.
+        product = F.linear(x.bfloat16().float(), quantized.kernel_weights())
+        added = linear.bias if bias else 0
+        torch.testing.assert_close(out - added, product, rtol=0.01, atol=0.005)
 
 
 def test_the_kernels_weights_stay_within_a_small_part_of_a_step_of_the_checkpoints():
@@ -64,6 +67,22 @@ def test_the_kernels_weights_stay_within_a_small_part_of_a_step_of_the_checkpoin
     step = quantized.scales.repeat_interleave(GROUP_SIZE, dim=1)
     error = (quantized.kernel_weights() - linear.weight).abs() / step
     assert error.max() < 0.08
+
+
+def test_both_paths_multiply_by_exactly_the_kernels_weights():
+    """One-hot rows read the weights back: the 4-bit kernel and the bfloat16 copy hold the
+    same ones (bfloat16-rounded), those of the kernel's bfloat16 scales and zeros, not the
+    float32-scale dequantization."""
+    linear = linear_on_grid(64, 32, seed=7)
+    quantized = quantize_int4(linear.weight)
+    layer = Int4Linear(linear, quantized)
+    eye = torch.eye(64)
+    four_bit = torch.cat([layer(eye[start:start + cpu_int4.MAX_INT4_ROWS])
+                          for start in range(0, 64, cpu_int4.MAX_INT4_ROWS)]).t()
+    expected = quantized.kernel_weights().bfloat16().float()
+    assert torch.equal(four_bit, expected)
+    assert torch.equal(layer.batched(eye).t(), expected)
+    assert not torch.equal(quantized.dequantize().bfloat16().float(), expected)
 
 
 def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatch):
@@ -173,6 +192,8 @@ def test_listed_rows_get_float32_logits_for_the_whole_row():
     logits = layer(hidden)[0]
     torch.testing.assert_close(logits[1], exact[1], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(logits[0], exact[0], rtol=1e-6, atol=1e-6)  # the others keep their bf16 tail
+    layer.full_precision_rows = [0, 1, 2]  # all of them: one float32 product
+    torch.testing.assert_close(layer(hidden)[0], exact, rtol=1e-6, atol=1e-6)
 
 
 def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama, monkeypatch):

@@ -21,10 +21,12 @@ and benchmarks/perplexity.py):
   perplexity 2.5x), so never the default.
 - "auto" (the default): where the CPU has native bfloat16, "int4" for every layer whose
   weights already lie on the 4-bit grid (a checkpoint converted from a Q4_1 GGUF file, as
-  the default model is: nothing is lost) and "bf16" for the others; else "none".
+  the default model is: the 4-bit codes lose nothing, so the accuracy is bf16's) and "bf16"
+  for the others; else "none".
 
-Outside exact mode the output matrix (lm_head) is bfloat16 with each row's top candidates
-recomputed in float32 (cpu_output_layer.py); in exact mode it is float32, packed. Tied to
+Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
+with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
+float32, packed. Tied to
 the token embedding table, it is packed as a copy; the table keeps its float weights for
 lookups (and for those exact candidates).
 """
@@ -155,4 +157,6 @@ def describe(layer: torch.nn.Module) -> str:
         return "output bf16 (top candidates float32)"
     if isinstance(layer, PackedLinear):
         return "float32" if layer.dtype == torch.float32 else "bf16"
-    return "int8"
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    return "int8" if isinstance(layer, DynamicQuantizedLinear) else type(layer).__name__

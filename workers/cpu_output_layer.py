@@ -49,6 +49,8 @@ class RescoredOutputLayer(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).float()
         bias = self.approximate.bias
+        if len(self.full_precision_rows) == rows.shape[0]:  # every row exact: skip the bfloat16 pass
+            return F.linear(rows, self.exact_weight, bias).view(*hidden.shape[:-1], self.out_features)
         logits = self.approximate(rows)
         candidates = logits.topk(self.candidates, dim=-1).indices  # [R, C]
         exact = torch.bmm(self.exact_weight[candidates], rows.unsqueeze(-1)).squeeze(-1)
@@ -66,11 +68,9 @@ class RescoredOutputLayer(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def full_precision_logits(model: torch.nn.Module, rows: list[int]):
-    """Within the block, the listed output rows of `model`'s forward get float32 logits (a
-    no-op for a model whose output layer is not a RescoredOutputLayer)."""
-    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(layer, RescoredOutputLayer) or not rows:
+def full_precision_logits(layer: RescoredOutputLayer | None, rows: list[int]):
+    """Within the block, the listed output rows of `layer` get float32 logits (None: no-op)."""
+    if layer is None or not rows:
         yield
         return
     layer.full_precision_rows = rows

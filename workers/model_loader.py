@@ -52,7 +52,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     check_model_supported(model)
     model = model.to(device).eval()
     if device.type == "cpu" and dtype == torch.float32:
-        # auto: a layer whose weights are already 4-bit is served so, losing nothing.
+        # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
         counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
         fuse_rms_norms(model)
         logger.info("CPU linear layers (--quantization %s%s): %s", quantization,

@@ -28,7 +28,7 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers.cpu_output_layer import full_precision_logits
+from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
 from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan,
@@ -75,6 +75,9 @@ class ModelRunner:
                  decode_graphs: str = "off", max_graph_batch_size: int = 256,
                  max_model_len: int | None = None) -> None:
         self.model = model
+        # A bfloat16 output layer (fast CPU modes) to be told which rows need float32 logits.
+        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.rescored_output = output_layer if isinstance(output_layer, RescoredOutputLayer) else None
         self.use_kernels = attention_backend == "triton"
         # Structured output (None: no grammar engine here; such requests are refused earlier).
         self.structured = StructuredDecoding(grammar_compiler) if grammar_compiler is not None else None
@@ -194,10 +197,12 @@ class ModelRunner:
                 masks = self.structured.start_step(len(rows), constrained)
         # Rows whose logits the sampler changes (or returns as log-probabilities) need every
         # logit exact where the output layer is bfloat16 (workers/cpu_output_layer.py).
-        exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
-                      if _reads_the_whole_row(state.sampling_params) or (
-                          self.structured is not None and request_ids[row] in self.structured.requests)]
-        with full_precision_logits(self.model, exact_rows):
+        exact_rows = []
+        if self.rescored_output is not None:
+            exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
+                          if _reads_the_whole_row(state.sampling_params) or (
+                              self.structured is not None and request_ids[row] in self.structured.requests)]
+        with full_precision_logits(self.rescored_output, exact_rows):
             logits = self._forward(batch, states)
         output = ModelRunnerOutput()
         if not batch.sample_rows:
