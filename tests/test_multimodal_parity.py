@@ -220,3 +220,24 @@ def test_greedy_parity_with_images_through_the_triton_kernels(tiny_vlms, referen
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [o.token_ids for o in llm.generate([as_prompt(t, i) for t, i in prompts], params)] == expected
     assert llm.engine.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("mode", ["bf16", "int4"])
+def test_the_fast_cpu_modes_serve_images_with_their_output_layer(tiny_vlms, family, mode, monkeypatch):
+    """The language model an adapter loads goes through the same CPU conversion: its output
+    matrix becomes the bfloat16 one with float32 candidates, and a bias row still wins."""
+    from workers import cpu_linear
+    from workers.cpu_int4 import Int4Linear
+    from workers.cpu_output_layer import RescoredOutputLayer
+
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    llm = LLM(str(tiny_vlms[family]), quantization=mode)
+    model = llm.engine.core.executor.model
+    assert isinstance(model.get_output_embeddings(), RescoredOutputLayer)
+    assert any(isinstance(m, Int4Linear) for m in model.modules()) == (mode == "int4")
+    image = llm.engine.adapter.image_placeholder_text
+    plain, biased = llm.generate([as_prompt(f"Look: {image}", [picture(3)])] * 2, [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={11: 100.0}, logprobs=2)])
+    assert len(plain.token_ids) == 4 and biased.token_ids == [11] * 4
