@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import online_softmax_step
-from kernels.paged_inputs import check_paged_inputs, output_for
+from kernels.paged_inputs import check_paged_inputs, operand_options, output_for
 
 # Split-K heuristic (choose_num_splits). A split shorter than this many positions costs more
 # in its workspace round trip and reduction than it saves.
@@ -143,12 +143,8 @@ def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, v
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  block_size: int, num_splits: int, tiles: DecodeTiles,
                                  widen_operands: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_decode_attention with the split count and tile shape given (tests force them).
-
-    widen_operands: dot in fp32 rather than the cache's dtype; None widens only in Triton's
-    interpreter, whose bf16 arithmetic is wrong. Tests pass False to run a GPU's operand path
-    through the interpreter for fp16 and fp32 caches.
-    """
+    """paged_decode_attention with the split count and tile shape given (tests force them);
+    widen_operands: see paged_inputs.operand_options."""
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     group = check_paged_inputs(query, key_cache, value_cache, block_tables)
@@ -161,7 +157,6 @@ def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, v
     if batch == 0:
         return out
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    widen = triton.knobs.runtime.interpret if widen_operands is None else widen_operands
     single = num_splits == 1
     if single:
         # Stage 1 writes the output directly; these stand in for the unused workspace.
@@ -182,7 +177,7 @@ def paged_decode_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, v
         *part_strides,
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n, SINGLE_SPLIT=single,
-        WIDEN=widen, DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        **operand_options(key_cache, widen_operands),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if not single:

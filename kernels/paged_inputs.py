@@ -1,4 +1,5 @@
-"""The checks both attention kernels make on their inputs, and their output buffer."""
+"""The checks both attention kernels make on their inputs, their output buffer, and how
+they multiply tiles."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit the query {tuple(query.shape)} {query.dtype}")
     return out
+
+
+def operand_options(key_cache: torch.Tensor, widen_operands: bool | None) -> dict:
+    """The kernels' WIDEN and DOT_PRECISION. widen_operands: dot in fp32 rather than the
+    cache's dtype; None widens only in Triton's interpreter, whose bf16 arithmetic is wrong.
+    Tests pass False to run a GPU's operand path through the interpreter for fp16 and fp32
+    caches. fp32 caches multiply in IEEE fp32, not tf32 (exactness checks use them)."""
+    import triton
+
+    widen = triton.knobs.runtime.interpret if widen_operands is None else widen_operands
+    return {"WIDEN": widen, "DOT_PRECISION": "ieee" if key_cache.dtype == torch.float32 else "tf32"}

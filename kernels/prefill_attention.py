@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import online_softmax_step
-from kernels.paged_inputs import check_paged_inputs, output_for
+from kernels.paged_inputs import check_paged_inputs, operand_options, output_for
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,8 @@ def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, 
                                   context_lens: torch.Tensor, scale: float, block_size: int,
                                   tiles: PrefillTiles, widen_operands: bool | None = None,
                                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_prefill_attention with the tile shape given (tests use it to force small tiles).
-
-    widen_operands: dot in fp32 rather than the cache's dtype; None widens only in Triton's
-    interpreter, whose bf16 arithmetic is wrong. Tests pass False to run a GPU's operand path
-    through the interpreter for fp16 and fp32 caches.
-    """
+    """paged_prefill_attention with the tile shape given (tests use it to force small tiles);
+    widen_operands: see paged_inputs.operand_options."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     group = check_paged_inputs(query, key_cache, value_cache, block_tables)
@@ -112,7 +108,6 @@ def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, 
         return out
     block_q = tiles.block_m // group
     grid = (num_tokens // block_q + num_requests, num_kv_heads)
-    widen = triton.knobs.runtime.interpret if widen_operands is None else widen_operands
     _prefill_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
         scale * 1.4426950408889634,  # log2(e): the softmax runs on exp2
@@ -124,7 +119,7 @@ def paged_prefill_attention_tiled(query: torch.Tensor, key_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=tiles.block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
-        WIDEN=widen, DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        **operand_options(key_cache, widen_operands),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
