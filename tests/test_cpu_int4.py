@@ -147,7 +147,7 @@ def test_the_default_model_is_4bit_already_so_auto_serves_every_layer_4bit(monke
 def test_output_layer_logits_of_the_top_candidates_are_float32(rows):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 500, bias=False)
-    layer = RescoredOutputLayer(linear, linear.weight)
+    layer = RescoredOutputLayer(linear)
     hidden = torch.randn(1, rows, 64)
     logits = layer(hidden)
     exact = F.linear(hidden, linear.weight)
@@ -167,13 +167,13 @@ def test_output_layer_picks_the_float32_winner_where_bfloat16_ties():
         linear.weight.copy_(torch.tensor([[20.0, 0.0], [20.0, 0.01], [1.0, 0.0]]))
     hidden = torch.tensor([[1.0, 1.0]])
     assert PackedLinear(linear, torch.bfloat16)(hidden)[0, 0] == PackedLinear(linear, torch.bfloat16)(hidden)[0, 1]
-    assert RescoredOutputLayer(linear, linear.weight)(hidden).argmax().item() == 1
+    assert RescoredOutputLayer(linear)(hidden).argmax().item() == 1
 
 
 def test_output_layer_shares_a_tied_embedding_table_and_adds_a_bias_to_exact_logits():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 100)
-    layer = RescoredOutputLayer(linear, linear.weight)
+    layer = RescoredOutputLayer(linear)
     assert layer.exact_weight.data_ptr() == linear.weight.data_ptr()
     hidden = torch.randn(3, 32)
     exact = linear(hidden)
@@ -185,7 +185,7 @@ def test_listed_rows_get_float32_logits_for_the_whole_row():
     """After a logit bias or a grammar mask the winner can sit anywhere in the vocabulary."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 500, bias=False)
-    layer = RescoredOutputLayer(linear, linear.weight)
+    layer = RescoredOutputLayer(linear)
     hidden = torch.randn(1, 3, 64)
     exact = F.linear(hidden, linear.weight)[0]
     layer.full_precision_rows = [1]

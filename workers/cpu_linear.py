@@ -26,9 +26,8 @@ and benchmarks/perplexity.py):
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
 with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
-float32, packed. Tied to
-the token embedding table, it is packed as a copy; the table keeps its float weights for
-lookups (and for those exact candidates).
+float32, packed. Tied to the token embedding table, it is packed as a copy; the table keeps
+its float weights for lookups (and for those exact candidates).
 """
 
 from __future__ import annotations
@@ -126,8 +125,8 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
             if mode == "none" or not cpu_has_native_bf16():
                 replacement = PackedLinear(module)
             else:
-                # Tied or not, the float32 weights serve the exact candidates (no copy).
-                replacement = RescoredOutputLayer(module, module.weight)
+                # Tied or not, its float32 weights serve the exact candidates (no copy).
+                replacement = RescoredOutputLayer(module)
         elif int4_where_exact and can_quantize(module) and (quantized := int4_if_on_grid(module.weight)):
             replacement = Int4Linear(module, quantized)
         else:

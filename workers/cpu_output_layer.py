@@ -31,15 +31,14 @@ EXACT_CANDIDATES = 32
 
 class RescoredOutputLayer(torch.nn.Module):
     """`nn.Linear` for logits: bfloat16 product, float32 for each row's top candidates and for
-    the rows listed in `full_precision_rows`. `exact_weight` is the float32 matrix (for a tied
-    model, the embedding table itself: no copy)."""
+    the rows listed in `full_precision_rows`. Those come from `linear`'s own float32 weight,
+    kept as it is (for a tied model, the embedding table itself: no copy)."""
 
-    def __init__(self, linear: torch.nn.Linear, exact_weight: torch.Tensor,
-                 candidates: int = EXACT_CANDIDATES) -> None:
+    def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.approximate = PackedLinear(linear, torch.bfloat16)
-        self.register_buffer("exact_weight", exact_weight.detach(), persistent=False)
+        self.register_buffer("exact_weight", linear.weight.detach(), persistent=False)
         self.candidates = min(candidates, self.out_features)
         # Row indices (of this forward's output rows) computed wholly in float32; set per step
         # by the runner through `full_precision_logits`.
