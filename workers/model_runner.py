@@ -31,6 +31,7 @@ from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
+from workers.lean_decoder import lean_decoder_for
 from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan,
                                      step_metadata)
 from workers.sampler import SamplingRow, sample
@@ -83,6 +84,9 @@ class ModelRunner:
         self.structured = StructuredDecoding(grammar_compiler) if grammar_compiler is not None else None
         # The family's adapter for a multimodal model (engine/adapters/), else None.
         self.adapter = adapter
+        # A Llama-like text model on CPU runs its forward as plain torch calls (bitwise the
+        # same logits, far fewer calls: workers/lean_decoder.py).
+        self.lean = lean_decoder_for(model) if adapter is None and not self.use_kernels else None
         self.uses_mrope = adapter is not None and adapter.uses_mrope
         self.embed_tokens = model.get_input_embeddings() if adapter is not None else None
         # mm_hash -> [n, hidden] embeddings on the device, as long as the scheduler says.
@@ -241,6 +245,8 @@ class ModelRunner:
         else:
             inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
         logits_index = self.to_device("logits_index", batch.logits_index)
+        if self.lean is not None:
+            return self.lean.forward(input_ids[0], positions, logits_index, attention)
         with step_metadata(attention):
             return self.model(**inputs, position_ids=positions, use_cache=False,
                               logits_to_keep=logits_index).logits[0]

@@ -1,0 +1,167 @@
+"""The forward pass of a Llama-like text model on CPU as plain torch calls: bitwise the same
+logits as the model's own forward, with fewer calls.
+
+On a CPU a decode step of a small model is mostly per-call cost, not arithmetic: the default
+model's one-row step spent ~4 ms in its 210 4-bit products and ~15 ms around them, in
+transformers' module machinery (30 layers x 9 module calls, keyword plumbing, output
+records, the mask helper) and in small tensor calls. This forward runs the same kernels on
+the same values in the same order, and leaves out what computes nothing:
+
+- no nn.Module calls: the layers' tensors and kernels are looked up once, at load;
+- products sharing an input (q/k/v, gate/up) share one bfloat16 copy of it in the bfloat16
+  and 4-bit modes, instead of making one each (the copy is the same every time);
+- the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
+  workers/cpu_packed_linear.py, with the same rules: up to MAX_INT4_ROWS rows 4-bit, the
+  bias added in float32 after the product).
+
+A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
+every mode is covered. Only model classes whose forward this one mirrors take it
+(`LEAN_MODELS`); tests/test_lean_decoder.py compares logits bitwise with the model's forward
+in every CPU mode, on prefill chunks, decode batches and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear
+from workers.cpu_packed_linear import PackedLinear
+from workers.fused_rms_norm import FusedRMSNorm
+from workers.paged_attention import attend
+
+# Model classes whose forward (decoder layers, rotary embedding, final norm, output layer)
+# is what `LeanDecoder.forward` computes, and their parts' classes.
+LEAN_MODELS = {
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"),
+    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP"),
+}
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def lean_decoder_for(model: torch.nn.Module) -> "LeanDecoder | None":
+    """The lean forward of a float32 CPU model whose structure it mirrors, else None."""
+    parts = LEAN_MODELS.get(type(model).__name__)
+    if parts is None or next(model.parameters()).device.type != "cpu":
+        return None
+    layer_class, attention_class, mlp_class = parts
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(
+            type(layer).__name__ == layer_class and type(layer.self_attn).__name__ == attention_class
+            and type(layer.mlp).__name__ == mlp_class for layer in layers):
+        return None
+    return LeanDecoder(model)
+
+
+class LeanDecoder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.final_norm = _norm(inner.norm)
+        self.lm_head = model.lm_head
+        self.layers = [_Layer(layer) for layer in inner.layers[:model.config.num_hidden_layers]]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                attention) -> torch.Tensor:
+        """input_ids [T] and positions [1, T] of the packed step, the rows to compute logits
+        for, the step's attention metadata -> logits [len(logits_index), vocab]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(x, positions)  # [1, T, head_dim] each
+        # [1, 1, T, head_dim]: broadcast over heads, as the model's rotary helper does.
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, attention)
+        return self.lm_head(self.final_norm(x[logits_index]))
+
+
+class _Layer:
+    """One decoder layer's tensors and kernels, and its forward."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.index = attention.layer_idx
+        self.head_dim = attention.head_dim
+        self.scaling = attention.scaling
+        # Qwen2 layers of the "sliding_attention" type carry their window; attend() checks it.
+        self.sliding_window = getattr(attention, "sliding_window", None)
+        self.input_norm = _norm(layer.input_layernorm)
+        self.post_attention_norm = _norm(layer.post_attention_layernorm)
+        self.qkv = _shared_input_products([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = _shared_input_products([attention.o_proj])
+        self.gate_up = _shared_input_products([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = _shared_input_products([mlp.down_proj])
+        act = mlp.act_fn
+        self.act = F.silu if type(act).__name__ in ("SiLUActivation", "SiLU") else act
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv(self.input_norm(x))
+        # The model's layouts: [1, heads, T, head_dim] views, rotated there.
+        q = q.view(1, tokens, -1, self.head_dim).transpose(1, 2)
+        k = k.view(1, tokens, -1, self.head_dim).transpose(1, 2)
+        v = v.view(1, tokens, -1, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = attend(attention, self.index, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                     self.scaling, self.sliding_window)
+        (attended,) = self.o_proj(out.reshape(tokens, -1))
+        x = x + attended
+        gate, up = self.gate_up(self.post_attention_norm(x))
+        (down,) = self.down_proj(self.act(gate) * up)
+        return x + down
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(module, FusedRMSNorm):
+        shape, weight, eps = module.normalized_shape, module.weight, module.variance_epsilon
+        return lambda x: F.rms_norm(x, shape, weight, eps)
+    return module
+
+
+def _shared_input_products(linears: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """A function of x [T, in] float32 -> each linear's output [T, out] float32. The products
+    that take a bfloat16 input share one rounded copy of x."""
+    products = [_product(linear) for linear in linears]
+    rounds = any(takes_bf16 for takes_bf16, _ in products)
+
+    def run(x: torch.Tensor) -> list[torch.Tensor]:
+        rounded = x.to(torch.bfloat16) if rounds else None
+        return [product(rounded if takes_bf16 else x) for takes_bf16, product in products]
+    return run
+
+
+def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
+    """(whether it takes the bfloat16-rounded input, input -> float32 output), computed as
+    the layer computes it; a layer of another kind runs as its module."""
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    if isinstance(linear, Int4Linear):
+        kernel, codes, scales_and_zeros = linear._product, linear.packed_codes, linear.scales_and_zeros
+        batched, bias = linear.batched.packed_weight, linear.bias
+
+        def int4(rounded: torch.Tensor) -> torch.Tensor:
+            if rounded.shape[0] > MAX_INT4_ROWS:
+                out = linear_pointwise(rounded, batched, None, "none", [], "").float()
+            else:
+                out = kernel(rounded, codes, GROUP_SIZE, scales_and_zeros).float()
+            return out if bias is None else out + bias
+        return True, int4
+    if isinstance(linear, PackedLinear):
+        packed, bias = linear.packed_weight, linear.bias
+        if linear.dtype == torch.float32:
+            return False, lambda x: linear_pointwise(x, packed, bias, "none", [], "")
+
+        def bf16(rounded: torch.Tensor) -> torch.Tensor:
+            out = linear_pointwise(rounded, packed, None, "none", [], "").float()
+            return out if bias is None else out + bias
+        return True, bf16
+    return False, linear
