@@ -16,6 +16,13 @@ if ! command -v espeak-ng >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq espeak-ng >/dev/null
 fi
 
+# The C++ decode step for CPUs (workers/native_decode.py) is compiled on first use with g++.
+if ! command -v g++ >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++ >/dev/null
+fi
+
 # The web page test drives Debian's Chromium with Playwright (playwright-core from npm; its
 # own browser download cannot work offline).
 if ! command -v chromium >/dev/null 2>&1; then

@@ -1,14 +1,33 @@
-"""The lean CPU forward (workers/lean_decoder.py) gives bitwise the logits of the model's own
-forward, in every CPU mode, on every kind of step the engine schedules."""
+"""The lean CPU forward (workers/lean_decoder.py) and its C++ decode stack
+(workers/native_decode.py) give bitwise the logits of the model's own forward, in every CPU
+mode, on every kind of step the engine schedules."""
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from tests.tiny_models import save_tiny_checkpoint
-from workers import cpu_linear
+from workers import cpu_linear, native_decode
 from workers.lean_decoder import LeanDecoder, lean_decoder_for
 from workers.model_runner import ModelRunner
+from workers.paged_attention import decode_attention
+
+
+@pytest.fixture(scope="module")
+def native_stack():
+    """The C++ stack, built (or loaded from $ANTIPHON_CACHE) before the tests that use it."""
+    assert native_decode.wait_until_built(timeout=600), native_decode._state
+
+
+class CountingStack:
+    """Stands in for the C++ stack and counts the steps it computes."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.steps = stack, 0
+
+    def forward(self, *args):
+        self.steps += 1
+        return self.stack.forward(*args)
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +37,19 @@ def qwen2_with_sliding_layers(tmp_path_factory):
                                 use_sliding_window=True, sliding_window=4096, max_window_layers=1)
 
 
-def run_both_forwards(monkeypatch, llm: LLM) -> list[tuple[int, bool]]:
+def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple[int, bool]]:
     """Every step runs through both forwards; returns (rows computed, logits bitwise equal)
-    per step. The KV cache writes are the same values twice when the two agree."""
+    per step. The KV cache writes are the same values twice when the two agree. `native`:
+    the lean forward uses the C++ stack for its decode steps (else never)."""
     runner = llm.engine.core.executor.runner
     assert isinstance(runner.lean, LeanDecoder)
+    if native:
+        stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches, runner.lean.layers[0].head_dim)
+        assert stack is not None
+        runner.lean.native = CountingStack(stack)
+    runner.lean._kv_caches = None  # no background swap during the test
+    if not native:
+        runner.lean.native = None
     steps = []
     lean_forward = ModelRunner._forward
 
@@ -39,13 +66,7 @@ def run_both_forwards(monkeypatch, llm: LLM) -> list[tuple[int, bool]]:
     return steps
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int8"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mode, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
-    # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
-    llm = LLM(str(tiny_checkpoints[arch]), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
-    steps = run_both_forwards(monkeypatch, llm)
+def generate_every_kind_of_step(llm: LLM) -> None:
     shared = list(range(3, 40))
     prompts = [shared + [i, i + 1] for i in range(11)] + [[7, 8, 9]]
     # 12 streams: decode steps above MAX_INT4_ROWS (the batched copy), and fewer as they end.
@@ -53,9 +74,50 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
     llm.generate(prompts, params)
     # Again: the shared prefix now comes from the prefix cache.
     llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert all(equal for _, equal in steps), steps
+    # Alone on a fresh prompt: one row whose context is read in place.
+    llm.generate([[50, 51, 52]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mode, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
+    llm = LLM(str(tiny_checkpoints[arch]), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
+    steps = run_both_forwards(monkeypatch, llm)
+    generate_every_kind_of_step(llm)
+    assert [rows for rows, equal in steps if not equal] == []
     sizes = {rows for rows, _ in steps}
     assert 1 in sizes and max(sizes) > 8 and len(steps) > 20
+
+
+# hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
+# run fused. int8 layers are not the C++ stack's (the lean Python forward takes them).
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    checkpoint = save_tiny_checkpoint(arch, tmp_path / arch, hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=256)
+    llm = LLM(str(checkpoint), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
+    runner = llm.engine.core.executor.runner
+    fused = [group.fused is not None for layer in runner.lean.layers for group in (layer.qkv, layer.gate_up)]
+    assert all(fused) if mode == "int4" else not any(fused)
+    steps = run_both_forwards(monkeypatch, llm, native=True)
+    generate_every_kind_of_step(llm)
+    assert [rows for rows, equal in steps if not equal] == []
+    # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not).
+    assert runner.lean.native.steps > 20
+
+
+def test_a_contiguous_context_read_in_place_equals_the_gathered_one():
+    torch.manual_seed(0)
+    keys, values = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    q = torch.randn(1, 4, 16)
+    slots = torch.arange(20, 45).unsqueeze(0)
+    gathered = decode_attention(q, keys, values, slots, None, 0.25)
+    assert torch.equal(decode_attention(q, keys, values, slots, None, 0.25, context_start=20), gathered)
+    assert not torch.equal(decode_attention(q, keys, values, slots, None, 0.25, context_start=21), gathered)
 
 
 def test_sliding_window_layers_take_the_lean_forward_and_pass_their_window(qwen2_with_sliding_layers, monkeypatch):
@@ -64,7 +126,15 @@ def test_sliding_window_layers_take_the_lean_forward_and_pass_their_window(qwen2
     assert [layer.sliding_window for layer in runner.lean.layers] == [None, 4096]
     steps = run_both_forwards(monkeypatch, llm)
     llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    assert steps and all(equal for _, equal in steps)
+    assert steps and [rows for rows, equal in steps if not equal] == []
+
+
+def test_without_the_native_stack_decode_steps_take_the_python_forward(tiny_llama, monkeypatch):
+    monkeypatch.setenv("ANTIPHON_NATIVE_DECODE", "0")
+    llm = LLM(str(tiny_llama), num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    [output] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(output.token_ids) == 6 and runner.lean.native is None and runner.lean._kv_caches is None
 
 
 def test_other_models_keep_their_own_forward(tmp_path):

@@ -27,10 +27,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from workers import native_decode
 from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
-from workers.paged_attention import attend
+from workers.paged_attention import PagedAttentionMetadata, attend
 
 # Model classes whose forward (decoder layers, rotary embedding, final norm, output layer)
 # is what `LeanDecoder.forward` computes, and their parts' classes.
@@ -64,6 +65,16 @@ class LeanDecoder:
         self.final_norm = _norm(inner.norm)
         self.lm_head = model.lm_head
         self.layers = [_Layer(layer) for layer in inner.layers[:model.config.num_hidden_layers]]
+        # The C++ stack for decode steps (native_decode.py), once built; see attach_native.
+        self.native = None
+        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def attach_native(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Serve decode steps through the C++ stack as soon as it is built (in the
+        background), if every layer is of a kind it computes."""
+        if native_decode.enabled() and all(layer.native_eligible for layer in self.layers):
+            self._kv_caches = kv_caches
+            native_decode.start_build()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
@@ -74,9 +85,23 @@ class LeanDecoder:
         cos, sin = self.rotary_emb(x, positions)  # [1, T, head_dim] each
         # [1, 1, T, head_dim]: broadcast over heads, as the model's rotary helper does.
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, attention)
+        if self._kv_caches is not None and self.native is None and native_decode.is_ready():
+            self.native = native_decode.decode_stack(self.layers, self._kv_caches, self.layers[0].head_dim)
+            self._kv_caches = None  # built or not, tried once
+        if self.native is not None and _one_decode_group(attention):
+            group = attention.decode_groups[0]
+            start = -1 if group.context_start is None else group.context_start
+            x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
+                                    start)
+        else:
+            for layer in self.layers:
+                x = layer.forward(x, cos, sin, attention)
         return self.lm_head(self.final_norm(x[logits_index]))
+
+
+def _one_decode_group(attention) -> bool:
+    """A pure decode step whose rows, in batch order, attend as one group: the C++ stack's case."""
+    return isinstance(attention, PagedAttentionMetadata) and attention.all_decodes_in_order
 
 
 class _Layer:
@@ -91,12 +116,20 @@ class _Layer:
         self.sliding_window = getattr(attention, "sliding_window", None)
         self.input_norm = _norm(layer.input_layernorm)
         self.post_attention_norm = _norm(layer.post_attention_layernorm)
-        self.qkv = _shared_input_products([attention.q_proj, attention.k_proj, attention.v_proj])
-        self.o_proj = _shared_input_products([attention.o_proj])
-        self.gate_up = _shared_input_products([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = _shared_input_products([mlp.down_proj])
+        self.qkv = _ProductGroup([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = _ProductGroup([attention.o_proj])
+        self.gate_up = _ProductGroup([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = _ProductGroup([mlp.down_proj])
         act = mlp.act_fn
         self.act = F.silu if type(act).__name__ in ("SiLUActivation", "SiLU") else act
+        # What the C++ stack needs (native_decode.py): both norms fused, every product of a
+        # kind it computes, SiLU, no window.
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.native_norms = (tuple((n.weight, n.variance_epsilon) for n in norms)
+                             if all(isinstance(n, FusedRMSNorm) for n in norms) else None)
+        self.groups = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
+        self.native_eligible = (self.native_norms is not None and self.act is F.silu and self.sliding_window is None
+                                and all(group.native_parts is not None for group in self.groups))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
         tokens = x.shape[0]
@@ -128,16 +161,66 @@ def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return module
 
 
-def _shared_input_products(linears: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """A function of x [T, in] float32 -> each linear's output [T, out] float32. The products
-    that take a bfloat16 input share one rounded copy of x."""
-    products = [_product(linear) for linear in linears]
-    rounds = any(takes_bf16 for takes_bf16, _ in products)
+class _ProductGroup:
+    """The linear layers that take one input (q/k/v, gate/up, or one alone), as a function of
+    x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
+    bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
+    laid side by side (each layer's codes become a view of that tensor: no extra memory), so
+    a step of up to MAX_INT4_ROWS rows makes one kernel call for the group, whose columns are
+    bitwise the separate calls' (checked on a probe at load: the kernel's columns are
+    independent in tiles of 64 outputs, not in its narrower tail tiles)."""
 
-    def run(x: torch.Tensor) -> list[torch.Tensor]:
-        rounded = x.to(torch.bfloat16) if rounds else None
-        return [product(rounded if takes_bf16 else x) for takes_bf16, product in products]
-    return run
+    def __init__(self, linears: list[torch.nn.Module]) -> None:
+        self.fused = _fuse_int4(linears) if len(linears) > 1 else None
+        self.parts = [_product(linear) for linear in linears]
+        self.rounds = any(takes_bf16 for takes_bf16, _ in self.parts)
+        self.native_parts = [_native_product(linear) for linear in linears]
+        if any(part is None for part in self.native_parts):
+            self.native_parts = None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rounded = x.to(torch.bfloat16) if self.rounds else None
+        if self.fused is not None and x.shape[0] <= MAX_INT4_ROWS:
+            codes, scales_and_zeros, bias, sizes = self.fused
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rounded, codes, GROUP_SIZE, scales_and_zeros).float()
+            return (out if bias is None else out + bias).split(sizes, dim=1)
+        return [product(rounded if takes_bf16 else x) for takes_bf16, product in self.parts]
+
+
+def _fuse_int4(linears: list[torch.nn.Module]) -> tuple | None:
+    """(codes, scales and zeros, bias or None, output sizes) of 4-bit layers side by side;
+    None unless all are 4-bit with all or none biased. Re-points each layer's codes at its
+    rows of the new tensor (the kernel's packed codes are one row per output)."""
+    if not all(isinstance(linear, Int4Linear) for linear in linears):
+        return None
+    biases = [linear.bias for linear in linears]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    codes = torch.cat([linear.packed_codes for linear in linears])
+    scales_and_zeros = torch.cat([linear.scales_and_zeros for linear in linears], dim=1).contiguous()
+    if not _fused_columns_match(linears, codes, scales_and_zeros):
+        return None
+    offset = 0
+    for linear in linears:
+        linear.packed_codes = codes[offset:offset + linear.out_features]
+        offset += linear.out_features
+    bias = None if biases[0] is None else torch.cat(biases)
+    return codes, scales_and_zeros, bias, [linear.out_features for linear in linears]
+
+
+def _fused_columns_match(linears: list[Int4Linear], codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> bool:
+    """Whether the fused product gives bitwise the separate products' columns, for 1 and
+    MAX_INT4_ROWS rows of a probe input. It does for outputs in multiples of 64 (the
+    default model's); narrower ones go through the kernel's tail tiles, which round apart."""
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    probe = torch.Generator().manual_seed(0)
+    for rows in (1, MAX_INT4_ROWS):
+        x = torch.randn(rows, linears[0].in_features, generator=probe).to(torch.bfloat16)
+        separate = torch.cat([kernel(x, linear.packed_codes, GROUP_SIZE, linear.scales_and_zeros)
+                              for linear in linears], dim=1)
+        if not torch.equal(separate, kernel(x, codes, GROUP_SIZE, scales_and_zeros)):
+            return False
+    return True
 
 
 def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
@@ -145,14 +228,15 @@ def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
     the layer computes it; a layer of another kind runs as its module."""
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     if isinstance(linear, Int4Linear):
-        kernel, codes, scales_and_zeros = linear._product, linear.packed_codes, linear.scales_and_zeros
+        kernel, scales_and_zeros = linear._product, linear.scales_and_zeros
         batched, bias = linear.batched.packed_weight, linear.bias
 
         def int4(rounded: torch.Tensor) -> torch.Tensor:
             if rounded.shape[0] > MAX_INT4_ROWS:
                 out = linear_pointwise(rounded, batched, None, "none", [], "").float()
             else:
-                out = kernel(rounded, codes, GROUP_SIZE, scales_and_zeros).float()
+                # Read at call time: _fuse_int4 re-points it.
+                out = kernel(rounded, linear.packed_codes, GROUP_SIZE, scales_and_zeros).float()
             return out if bias is None else out + bias
         return True, int4
     if isinstance(linear, PackedLinear):
@@ -165,3 +249,13 @@ def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
             return out if bias is None else out + bias
         return True, bf16
     return False, linear
+
+
+def _native_product(linear: torch.nn.Module) -> tuple | None:
+    """The C++ stack's description of a product: (kind, weight, scales and zeros, batched
+    copy, bias), kinds as in decode_stack.cpp; None for a layer it does not compute."""
+    if isinstance(linear, Int4Linear):
+        return 0, linear.packed_codes, linear.scales_and_zeros, linear.batched.packed_weight, linear.bias
+    if isinstance(linear, PackedLinear):
+        return (1 if linear.dtype == torch.bfloat16 else 2), linear.packed_weight, None, None, linear.bias
+    return None

@@ -1,0 +1,246 @@
+// The decoder layers of a decode step as one C++ call (workers/native_decode.py).
+//
+// It runs exactly the ATen calls of workers/lean_decoder.py, in the same order on the same
+// values, so its logits are bitwise the lean forward's and the model's own. What it takes
+// away is Python: the lean forward makes ~30 torch calls per layer from Python, each paying
+// argument parsing and dispatch from the interpreter, and on a CPU that is most of a
+// one-row step of a small model.
+//
+// It covers a pure decode step whose rows attend in one group (one stream, or streams of
+// similar lengths), the layers' products being 4-bit (cpu_int4.py) or oneDNN-packed
+// (cpu_packed_linear.py) and their norms fused (fused_rms_norm.py). Everything else takes
+// the Python forward.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+// How a product is computed, mirroring lean_decoder._product.
+enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2 };
+
+struct Product {
+  int64_t kind;
+  at::Tensor weight;            // int4: packed codes; packed kinds: the oneDNN weight
+  at::Tensor scales_and_zeros;  // int4 only
+  at::Tensor batched;           // int4 only: the bfloat16 oneDNN copy for more rows
+  c10::optional<at::Tensor> bias;
+};
+
+// Products of one input (q/k/v, o, gate/up, down), and for q/k/v and gate/up, where all are
+// 4-bit, their codes side by side: one kernel call for small steps, bitwise the same columns.
+struct ProductGroup {
+  std::vector<Product> parts;
+  c10::optional<Product> fused;
+  std::vector<int64_t> sizes;  // output columns of each part within the fused product
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  double input_eps, post_attention_eps, scaling;
+  at::Tensor key_cache, value_cache;
+  std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
+};
+
+at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+}
+
+}  // namespace
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t head_dim, int64_t max_int4_rows, int64_t group_size)
+      : head_dim_(head_dim), max_int4_rows_(max_int4_rows), group_size_(group_size) {}
+
+  void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
+                 double scaling, at::Tensor key_cache, at::Tensor value_cache) {
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
+                            scaling, std::move(key_cache), std::move(value_cache), {}});
+  }
+
+  // Groups are appended to the last layer in the order q/k/v, o, gate/up, down; products to
+  // the last group.
+  void add_group() {
+    TORCH_CHECK(!layers_.empty(), "add_layer first");
+    layers_.back().groups.emplace_back();
+  }
+
+  void add_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales_and_zeros,
+                   c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
+    layers_.back().groups.back().parts.push_back(make_product(kind, std::move(weight), std::move(scales_and_zeros),
+                                                              std::move(batched), std::move(bias)));
+  }
+
+  // The last group's parts as one 4-bit product (codes and scales concatenated along the
+  // outputs), used up to max_int4_rows rows.
+  void fuse_group(at::Tensor codes, at::Tensor scales_and_zeros, c10::optional<at::Tensor> bias,
+                  std::vector<int64_t> sizes) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
+    ProductGroup& group = layers_.back().groups.back();
+    TORCH_CHECK(sizes.size() == group.parts.size(), "one size per part");
+    group.fused = make_product(kInt4, std::move(codes), std::move(scales_and_zeros), at::Tensor(), std::move(bias));
+    group.sizes = std::move(sizes);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Checked once after the last layer, not per step.
+  void finish() {
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
+      TORCH_CHECK(layer.groups[0].parts.size() == 3 && layer.groups[1].parts.size() == 1 &&
+                      layer.groups[2].parts.size() == 2 && layer.groups[3].parts.size() == 1,
+                  "product groups are q/k/v, o, gate/up, down");
+    }
+    finished_ = true;
+  }
+
+  // x [T, hidden] (the token embeddings); cos, sin [1, 1, T, head_dim]; slot_mapping [T];
+  // context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one row
+  // whose context fills slots [start, start + L) of the cache, start (read in place, no
+  // gather), else -1 -> hidden states [T, hidden] after the last layer.
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                     const at::Tensor& context_slots, const c10::optional<at::Tensor>& context_mask,
+                     int64_t context_start) {
+    TORCH_CHECK(finished_, "finish() the stack first");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 4 &&
+                    cos.size(2) == x.size(0) && cos.size(3) == head_dim_ && cos.scalar_type() == at::kFloat,
+                "cos and sin must be contiguous [1, 1, tokens, head_dim] float32");
+    TORCH_CHECK(context_start < 0 || context_slots.size(0) == 1, "an in-place context is one row's");
+    const int64_t tokens = x.size(0);
+    const int64_t length = context_slots.size(1);
+    const at::Tensor flat_slots = context_slots.reshape({-1});
+    for (const Layer& layer : layers_) {
+      const int64_t hidden = x.size(1);
+      at::Tensor h = at::rms_norm(x, {hidden}, layer.input_norm, layer.input_eps);
+      std::vector<at::Tensor> qkv = products(layer.groups[0], h);
+      at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
+      at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
+      at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
+      // paged_attention.attend, the one-group decode path.
+      at::Tensor q_rows = q[0].transpose(0, 1);
+      layer.key_cache.index_copy_(0, slot_mapping, k[0].transpose(0, 1));
+      layer.value_cache.index_copy_(0, slot_mapping, v[0].transpose(0, 1));
+      at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length);
+      at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length);
+      at::Tensor attended = at::scaled_dot_product_attention(q_rows.unsqueeze(2), keys, values, context_mask, 0.0,
+                                                             false, layer.scaling, true)
+                                .select(2, 0);
+      x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
+      h = at::rms_norm(x, {hidden}, layer.post_attention_norm, layer.post_attention_eps);
+      std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
+      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
+    }
+    return x;
+  }
+
+ private:
+  static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales_and_zeros,
+                              c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(kind == kInt4 || kind == kPackedBf16 || kind == kPackedFloat, "unknown product kind ", kind);
+    TORCH_CHECK(kind != kInt4 || (scales_and_zeros.has_value() && batched.has_value()),
+                "a 4-bit product needs its scales and its batched copy");
+    return Product{kind, std::move(weight), scales_and_zeros.value_or(at::Tensor()), batched.value_or(at::Tensor()),
+                   std::move(bias)};
+  }
+
+  // [T, heads, L, head_dim] keys or values of the step's rows: in place, or gathered by slot.
+  static at::Tensor context(const at::Tensor& cache, const at::Tensor& flat_slots, int64_t start, int64_t tokens,
+                            int64_t length) {
+    at::Tensor rows = start >= 0 ? cache.slice(0, start, start + length) : cache.index_select(0, flat_slots);
+    return rows.view({tokens, length, cache.size(1), cache.size(2)}).transpose(1, 2);
+  }
+
+  // x * cos + rotate_half(x) * sin in one pass, for x [1, heads, T, head_dim] (any strides),
+  // into the layout the ATen expression gives for a projection's output (token-major). Each
+  // product and the sum are rounded
+  // to float32 as there (no fused multiply-add: built with -ffp-contract=off), so the
+  // result is bitwise the same, with one call instead of eight.
+  at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+    const int64_t heads = x.size(1), tokens = x.size(2), half = head_dim_ / 2;
+    at::Tensor out = at::empty({1, tokens, heads, head_dim_}, x.options()).transpose(1, 2);
+    const float* c = cos.data_ptr<float>();
+    const float* s = sin.data_ptr<float>();
+    const float* in = x.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    const int64_t sh = x.stride(1), st = x.stride(2), sd = x.stride(3);
+    const int64_t oh = out.stride(1), ot = out.stride(2), od = out.stride(3);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* row = in + h * sh + t * st;
+        float* dst = o + h * oh + t * ot;
+        const float* ct = c + t * head_dim_;
+        const float* stt = s + t * head_dim_;
+        for (int64_t d = 0; d < head_dim_; ++d) {
+          const float rotated = d < half ? -row[(d + half) * sd] : row[(d - half) * sd];
+          const float a = row[d * sd] * ct[d];
+          const float b = rotated * stt[d];
+          dst[d * od] = a + b;
+        }
+      }
+    }
+    return out;
+  }
+
+  // A group's products on one input; those taking bfloat16 share one rounded copy.
+  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
+    at::Tensor rounded;
+    for (const Product& p : group.parts) {
+      if (p.kind != kPackedFloat) {
+        rounded = x.to(at::kBFloat16);
+        break;
+      }
+    }
+    if (group.fused.has_value() && x.size(0) <= max_int4_rows_) {
+      const Product& f = *group.fused;
+      at::Tensor y = at::_weight_int4pack_mm_for_cpu(rounded, f.weight, group_size_, f.scales_and_zeros)
+                         .to(at::kFloat);
+      return (f.bias.has_value() ? y + *f.bias : y).split_with_sizes(group.sizes, 1);
+    }
+    std::vector<at::Tensor> out;
+    out.reserve(group.parts.size());
+    for (const Product& p : group.parts) {
+      if (p.kind == kPackedFloat) {
+        out.push_back(linear_pointwise(x, p.weight, p.bias));
+        continue;
+      }
+      at::Tensor y;
+      if (p.kind == kInt4 && rounded.size(0) <= max_int4_rows_) {
+        y = at::_weight_int4pack_mm_for_cpu(rounded, p.weight, group_size_, p.scales_and_zeros).to(at::kFloat);
+      } else {
+        y = linear_pointwise(rounded, p.kind == kInt4 ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
+      }
+      out.push_back(p.bias.has_value() ? y + *p.bias : y);
+    }
+    return out;
+  }
+
+  bool finished_ = false;
+
+  int64_t head_dim_, max_int4_rows_, group_size_;
+  std::vector<Layer> layers_;
+};
+
+TORCH_LIBRARY(antiphon_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_group", &DecodeStack::add_group)
+      .def("add_product", &DecodeStack::add_product)
+      .def("fuse_group", &DecodeStack::fuse_group)
+      .def("finish", &DecodeStack::finish)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}
