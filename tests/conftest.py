@@ -17,6 +17,17 @@ import pytest  # noqa: E402
 from tests.tiny_models import save_multi_eos_checkpoint, save_tiny_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_decode_stack():
+    """The C++ decode stack (workers/native_decode.py) built, or loaded from $ANTIPHON_CACHE,
+    before any engine starts: every test then runs the step path users run, whatever the
+    timing of a background build. If it cannot be built the suite runs the Python forward
+    (bitwise the same) and tests/test_lean_decoder.py fails."""
+    from workers import native_decode
+
+    native_decode.wait_until_built(timeout=900)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny-models")

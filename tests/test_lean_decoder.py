@@ -44,7 +44,7 @@ def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple
     runner = llm.engine.core.executor.runner
     assert isinstance(runner.lean, LeanDecoder)
     if native:
-        stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches, runner.lean.layers[0].head_dim)
+        stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
         assert stack is not None
         runner.lean.native = CountingStack(stack)
     runner.lean._kv_caches = None  # no background swap during the test
@@ -52,6 +52,14 @@ def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple
         runner.lean.native = None
     steps = []
     lean_forward = ModelRunner._forward
+    decode_group = ModelRunner._decode_group
+    run_both_forwards.in_place = 0
+
+    def recording_decode_group(self, *args):
+        group = decode_group(self, *args)
+        run_both_forwards.in_place += group.context_start is not None
+        return group
+    monkeypatch.setattr(ModelRunner, "_decode_group", recording_decode_group)
 
     def both(self, batch, states):
         lean = lean_forward(self, batch, states)
@@ -93,12 +101,14 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
 
 # hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
 # run fused. int8 layers are not the C++ stack's (the lean Python forward takes them).
+# Llama with every bias on: o_proj and down_proj biases too.
 @pytest.mark.parametrize("mode", ["none", "bf16", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-biased"])
 def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
-    checkpoint = save_tiny_checkpoint(arch, tmp_path / arch, hidden_size=128, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=256)
+    biases = dict(attention_bias=True, mlp_bias=True) if arch == "llama-biased" else {}
+    checkpoint = save_tiny_checkpoint(arch.split("-")[0], tmp_path / arch, hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=256, **biases)
     llm = LLM(str(checkpoint), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     fused = [group.fused is not None for layer in runner.lean.layers for group in (layer.qkv, layer.gate_up)]
@@ -106,8 +116,40 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
-    # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not).
-    assert runner.lean.native.steps > 20
+    # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not), some
+    # reading a lone row's context in place.
+    assert runner.lean.native.steps > 20 and run_both_forwards.in_place > 0
+
+
+def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=256)
+    llm = LLM(str(checkpoint), num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    assert runner.lean.native is None and runner.lean._kv_caches is not None  # taken at the next step
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [native] = llm.generate([[5, 6, 7, 8]], params)
+    assert runner.lean.native is not None and runner.lean._kv_caches is None
+    runner.lean.native = None
+    [python] = llm.generate([[5, 6, 7, 8]], params)
+    assert native.token_ids == python.token_ids
+
+
+def test_a_stack_that_fails_to_build_leaves_the_python_forward(tiny_llama, native_stack, monkeypatch):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+
+    def broken(*args):
+        raise RuntimeError("simulated")
+    monkeypatch.setattr(native_decode, "decode_stack", broken)
+    [output] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(output.token_ids) == 6 and runner.lean.native is None and runner.lean._kv_caches is None
+
+
+def test_int8_layers_never_ask_for_the_stack(tiny_llama, monkeypatch):
+    monkeypatch.setattr(native_decode, "start_build", lambda: pytest.fail("int8 started a build"))
+    llm = LLM(str(tiny_llama), quantization="int8", num_kv_blocks=64)
+    assert llm.engine.core.executor.runner.lean._kv_caches is None
 
 
 def test_a_contiguous_context_read_in_place_equals_the_gathered_one():
@@ -118,6 +160,8 @@ def test_a_contiguous_context_read_in_place_equals_the_gathered_one():
     gathered = decode_attention(q, keys, values, slots, None, 0.25)
     assert torch.equal(decode_attention(q, keys, values, slots, None, 0.25, context_start=20), gathered)
     assert not torch.equal(decode_attention(q, keys, values, slots, None, 0.25, context_start=21), gathered)
+    with pytest.raises(ValueError, match="one row"):
+        decode_attention(q.expand(2, 4, 16), keys, values, slots.expand(2, 25), None, 0.25, context_start=20)
 
 
 def test_sliding_window_layers_take_the_lean_forward_and_pass_their_window(qwen2_with_sliding_layers, monkeypatch):

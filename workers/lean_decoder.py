@@ -22,6 +22,7 @@ in every CPU mode, on prefill chunks, decode batches and prefix-cache hits.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -32,6 +33,8 @@ from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
 from workers.paged_attention import PagedAttentionMetadata, attend
+
+logger = logging.getLogger("antiphon")
 
 # Model classes whose forward (decoder layers, rotary embedding, final norm, output layer)
 # is what `LeanDecoder.forward` computes, and their parts' classes.
@@ -72,7 +75,7 @@ class LeanDecoder:
     def attach_native(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Serve decode steps through the C++ stack as soon as it is built (in the
         background), if every layer is of a kind it computes."""
-        if native_decode.enabled() and all(layer.native_eligible for layer in self.layers):
+        if native_decode.enabled() and native_decode.stack_computes(self.layers):
             self._kv_caches = kv_caches
             native_decode.start_build()
 
@@ -85,9 +88,8 @@ class LeanDecoder:
         cos, sin = self.rotary_emb(x, positions)  # [1, T, head_dim] each
         # [1, 1, T, head_dim]: broadcast over heads, as the model's rotary helper does.
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self._kv_caches is not None and self.native is None and native_decode.is_ready():
-            self.native = native_decode.decode_stack(self.layers, self._kv_caches, self.layers[0].head_dim)
-            self._kv_caches = None  # built or not, tried once
+        if self._kv_caches is not None and native_decode.is_ready():
+            self._use_native()
         if self.native is not None and _one_decode_group(attention):
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
@@ -96,7 +98,18 @@ class LeanDecoder:
         else:
             for layer in self.layers:
                 x = layer.forward(x, cos, sin, attention)
+        # The final norm after picking the rows (the model norms all rows, then picks): the
+        # same values, as RMSNorm works row by row, for fewer rows.
         return self.lm_head(self.final_norm(x[logits_index]))
+
+    def _use_native(self) -> None:
+        """Builds the C++ stack over the layers: tried once; if it fails, steps stay Python."""
+        try:
+            self.native = native_decode.decode_stack(self.layers, self._kv_caches)
+        except Exception as exc:  # noqa: BLE001 - the Python forward computes the same
+            logger.warning("native CPU decode stack not used (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self._kv_caches = None
 
 
 def _one_decode_group(attention) -> bool:
@@ -165,7 +178,8 @@ class _ProductGroup:
     """The linear layers that take one input (q/k/v, gate/up, or one alone), as a function of
     x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
     bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
-    laid side by side (each layer's codes become a view of that tensor: no extra memory), so
+    laid side by side (each layer's codes become a view of that tensor; only the small scales
+    are copied), so
     a step of up to MAX_INT4_ROWS rows makes one kernel call for the group, whose columns are
     bitwise the separate calls' (checked on a probe at load: the kernel's columns are
     independent in tiles of 64 outputs, not in its narrower tail tiles)."""
@@ -209,12 +223,13 @@ def _fuse_int4(linears: list[torch.nn.Module]) -> tuple | None:
 
 
 def _fused_columns_match(linears: list[Int4Linear], codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> bool:
-    """Whether the fused product gives bitwise the separate products' columns, for 1 and
-    MAX_INT4_ROWS rows of a probe input. It does for outputs in multiples of 64 (the
-    default model's); narrower ones go through the kernel's tail tiles, which round apart."""
+    """Whether the fused product gives bitwise the separate products' columns, for every
+    row count it serves (1 to MAX_INT4_ROWS) on a probe input. It does for outputs in
+    multiples of 64 (the default model's); narrower ones go through the kernel's tail tiles,
+    which round apart."""
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     probe = torch.Generator().manual_seed(0)
-    for rows in (1, MAX_INT4_ROWS):
+    for rows in range(1, MAX_INT4_ROWS + 1):
         x = torch.randn(rows, linears[0].in_features, generator=probe).to(torch.bfloat16)
         separate = torch.cat([kernel(x, linear.packed_codes, GROUP_SIZE, linear.scales_and_zeros)
                               for linear in linears], dim=1)
@@ -255,7 +270,9 @@ def _native_product(linear: torch.nn.Module) -> tuple | None:
     """The C++ stack's description of a product: (kind, weight, scales and zeros, batched
     copy, bias), kinds as in decode_stack.cpp; None for a layer it does not compute."""
     if isinstance(linear, Int4Linear):
-        return 0, linear.packed_codes, linear.scales_and_zeros, linear.batched.packed_weight, linear.bias
+        return (native_decode.INT4_PRODUCT, linear.packed_codes, linear.scales_and_zeros, linear.batched.packed_weight,
+                linear.bias)
     if isinstance(linear, PackedLinear):
-        return (1 if linear.dtype == torch.bfloat16 else 2), linear.packed_weight, None, None, linear.bias
+        kind = native_decode.BF16_PRODUCT if linear.dtype == torch.bfloat16 else native_decode.FLOAT32_PRODUCT
+        return kind, linear.packed_weight, None, None, linear.bias
     return None

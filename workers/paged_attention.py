@@ -214,6 +214,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """
     batch, length = context_slots.shape
     if context_start is not None:
+        if batch != 1:
+            raise ValueError(f"an in-place context is one row's, got {batch} rows")
         k = key_cache[context_start:context_start + length].view(1, length, *key_cache.shape[1:]).transpose(1, 2)
         v = value_cache[context_start:context_start + length].view(1, length, *value_cache.shape[1:]).transpose(1, 2)
     else:

@@ -1,10 +1,11 @@
 // The decoder layers of a decode step as one C++ call (workers/native_decode.py).
 //
-// It runs exactly the ATen calls of workers/lean_decoder.py, in the same order on the same
-// values, so its logits are bitwise the lean forward's and the model's own. What it takes
-// away is Python: the lean forward makes ~30 torch calls per layer from Python, each paying
-// argument parsing and dispatch from the interpreter, and on a CPU that is most of a
-// one-row step of a small model.
+// It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
+// except the rotary embedding, one loop here that rounds as ATen's eight calls do; so its
+// logits are bitwise the lean forward's and the model's own. What it takes away is Python:
+// the lean forward makes ~30 torch calls per layer from Python, each paying argument parsing
+// and dispatch from the interpreter, and on a CPU that is most of a one-row step of a small
+// model.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths), the layers' products being 4-bit (cpu_int4.py) or oneDNN-packed
@@ -17,6 +18,10 @@
 #include <torch/library.h>
 
 #include <vector>
+
+// The rotary loop below must round each product and sum as ATen's separate calls do (no
+// fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -35,6 +40,7 @@ struct Product {
 // 4-bit, their codes side by side: one kernel call for small steps, bitwise the same columns.
 struct ProductGroup {
   std::vector<Product> parts;
+  bool rounds = false;  // some part takes a bfloat16 input (set by finish)
   c10::optional<Product> fused;
   std::vector<int64_t> sizes;  // output columns of each part within the fused product
 };
@@ -52,7 +58,8 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight, const
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                          c10::string_view, c10::List<c10::optional<at::Scalar>>,
                                          c10::optional<c10::string_view>)>();
-  return op.call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::nullopt);
+  static const c10::List<c10::optional<at::Scalar>> no_scalars;
+  return op.call(x, weight, bias, "none", no_scalars, c10::nullopt);
 }
 
 }  // namespace
@@ -64,6 +71,11 @@ class DecodeStack : public torch::CustomClassHolder {
 
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
                  double scaling, at::Tensor key_cache, at::Tensor value_cache) {
+    for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+      TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() && cache->scalar_type() == at::kFloat &&
+                      cache->size(2) == head_dim_,
+                  "KV caches must be contiguous [slots, kv_heads, head_dim] float32");
+    }
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
                             scaling, std::move(key_cache), std::move(value_cache), {}});
   }
@@ -97,7 +109,10 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // Checked once after the last layer, not per step.
   void finish() {
-    for (const Layer& layer : layers_) {
+    for (Layer& layer : layers_) {
+      for (ProductGroup& group : layer.groups) {
+        for (const Product& p : group.parts) group.rounds = group.rounds || p.kind != kPackedFloat;
+      }
       TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
       TORCH_CHECK(layer.groups[0].parts.size() == 3 && layer.groups[1].parts.size() == 1 &&
                       layer.groups[2].parts.size() == 2 && layer.groups[3].parts.size() == 1,
@@ -196,13 +211,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // A group's products on one input; those taking bfloat16 share one rounded copy.
   std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
-    at::Tensor rounded;
-    for (const Product& p : group.parts) {
-      if (p.kind != kPackedFloat) {
-        rounded = x.to(at::kBFloat16);
-        break;
-      }
-    }
+    const at::Tensor rounded = group.rounds ? x.to(at::kBFloat16) : at::Tensor();
     if (group.fused.has_value() && x.size(0) <= max_int4_rows_) {
       const Product& f = *group.fused;
       at::Tensor y = at::_weight_int4pack_mm_for_cpu(rounded, f.weight, group_size_, f.scales_and_zeros)
