@@ -198,6 +198,10 @@ def main() -> None:
     startup: dict[str, float] = {}
     engines["exact"], startup["exact"] = timed_load(lambda: LLM(quantization="none"))
     engines["default"], startup["default"] = timed_load(lambda: LLM(quantization=requested))
+    # Timed steps run the C++ decode stack, as a server's do once it is built.
+    from workers import native_decode
+
+    native_decode.wait_until_built(900)
     llama = None
     if not args.no_llama_cpp and (python := llama_cpp_python()) is not None:
         llama, startup["llama.cpp"] = timed_load(lambda: LlamaCpp(python, args.threads))

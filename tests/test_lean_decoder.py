@@ -16,6 +16,8 @@ from workers.paged_attention import decode_attention
 @pytest.fixture(scope="module")
 def native_stack():
     """The C++ stack, built (or loaded from $ANTIPHON_CACHE) before the tests that use it."""
+    if not native_decode.enabled():
+        pytest.skip("ANTIPHON_NATIVE_DECODE=0 turns the C++ decode stack off")
     assert native_decode.wait_until_built(timeout=600), native_decode._state
 
 
@@ -23,10 +25,11 @@ class CountingStack:
     """Stands in for the C++ stack and counts the steps it computes."""
 
     def __init__(self, stack) -> None:
-        self.stack, self.steps = stack, 0
+        self.stack, self.steps, self.in_place = stack, 0, 0
 
     def forward(self, *args):
         self.steps += 1
+        self.in_place += args[-1] >= 0  # context_start: a lone row's context read in place
         return self.stack.forward(*args)
 
 
@@ -52,14 +55,6 @@ def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple
         runner.lean.native = None
     steps = []
     lean_forward = ModelRunner._forward
-    decode_group = ModelRunner._decode_group
-    run_both_forwards.in_place = 0
-
-    def recording_decode_group(self, *args):
-        group = decode_group(self, *args)
-        run_both_forwards.in_place += group.context_start is not None
-        return group
-    monkeypatch.setattr(ModelRunner, "_decode_group", recording_decode_group)
 
     def both(self, batch, states):
         lean = lean_forward(self, batch, states)
@@ -118,7 +113,7 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert [rows for rows, equal in steps if not equal] == []
     # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not), some
     # reading a lone row's context in place.
-    assert runner.lean.native.steps > 20 and run_both_forwards.in_place > 0
+    assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):
@@ -135,15 +130,41 @@ def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_sta
     assert native.token_ids == python.token_ids
 
 
-def test_a_stack_that_fails_to_build_leaves_the_python_forward(tiny_llama, native_stack, monkeypatch):
+def test_a_stack_that_fails_to_assemble_leaves_the_python_forward(tiny_llama, native_stack, monkeypatch):
     llm = LLM(str(tiny_llama), num_kv_blocks=64)
     runner = llm.engine.core.executor.runner
+    assert runner.lean._kv_caches is not None  # the stack would be taken at the next step
+    attempts = []
 
     def broken(*args):
+        attempts.append(args)
         raise RuntimeError("simulated")
     monkeypatch.setattr(native_decode, "decode_stack", broken)
     [output] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(output.token_ids) == 6 and runner.lean.native is None and runner.lean._kv_caches is None
+    assert len(attempts) == 1  # tried once, not at every step
+
+
+def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_path):
+    library = tmp_path / "native" / "antiphon_cpu-test.so"
+    leftover = tmp_path / "native" / "build-antiphon_cpu-test-1"  # from a killed build
+    leftover.mkdir(parents=True)
+    folders = []
+
+    def fake_compile(folder):
+        folders.append(folder)
+        (folder / "antiphon_cpu.so").write_bytes(b"built")
+        return folder / "antiphon_cpu.so"
+    native_decode.build_library(library, fake_compile)
+    assert library.read_bytes() == b"built" and not leftover.exists() and not folders[0].exists()
+    native_decode.build_library(library, lambda folder: pytest.fail("built twice"))
+
+    def failing_compile(folder):
+        raise RuntimeError("no compiler")
+    other = tmp_path / "native" / "antiphon_cpu-other.so"
+    with pytest.raises(RuntimeError, match="no compiler"):
+        native_decode.build_library(other, failing_compile)
+    assert not other.exists() and not list(other.parent.glob("build-*"))
 
 
 def test_int8_layers_never_ask_for_the_stack(tiny_llama, monkeypatch):

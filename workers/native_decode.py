@@ -6,28 +6,26 @@ of the step. The C++ stack makes the same ATen calls in the same order (the rota
 as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
 interpreter between them.
 
-It is compiled here, against the installed torch, on first use (~15-30 s with two cores, at
-a lower priority; g++ and ninja) into $ANTIPHON_CACHE/native, on a background thread: until
-it is ready, and wherever it cannot be built, steps take the Python forward, which computes
-the same. Later starts load the built library in well under a second.
-ANTIPHON_NATIVE_DECODE=0 turns it off.
+It is compiled here, against the installed torch, on first use (~15-30 s with two cores; g++
+and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
+background thread waits for: until it is ready, and wherever it cannot be built, steps take
+the Python forward, which computes the same. Later starts load the built library in well
+under a second. ANTIPHON_NATIVE_DECODE=0 turns it off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
+import platform
 import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import torch
-
-from engine.checkpoint import cache_dir
 
 logger = logging.getLogger("antiphon")
 
@@ -52,9 +50,12 @@ def enabled() -> bool:
 
 def library_path() -> Path:
     """The built library, named by everything it depends on: its source, the flags, this
-    torch (its ABI) and this Python. Another checkout or an upgrade builds its own."""
+    torch (its ABI), this Python and the machine's architecture. Another checkout or an
+    upgrade builds its own."""
+    from engine.checkpoint import cache_dir  # here: the builder process needs no engine imports
+
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                                      sys.version.encode()])).hexdigest()[:16]
+                                      sys.version.encode(), platform.machine().encode()])).hexdigest()[:16]
     return cache_dir() / "native" / f"{LIBRARY}-{key}.so"
 
 
@@ -87,14 +88,16 @@ def _build() -> None:
     try:
         library = library_path()
         if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            # One builder at a time across processes. An flock is released by the kernel when
-            # its process dies, so a killed build never blocks the next one.
-            with open(library.parent / "build.lock", "w") as lock_file:
-                fcntl.flock(lock_file, fcntl.LOCK_EX)
-                if not library.exists():  # another process may have built it meanwhile
-                    _compile(library)
-        torch.ops.load_library(str(library))
+            logger.info("compiling the C++ decode step for this CPU in the background (first start only, "
+                        "~15-30 s); until it is ready, decode steps run the Python forward")
+            _run_builder(library)
+        try:
+            torch.ops.load_library(str(library))
+        except OSError:
+            # A damaged file (a disk filled mid-copy, say): built again, once.
+            library.unlink(missing_ok=True)
+            _run_builder(library)
+            torch.ops.load_library(str(library))
         _state["status"] = "ready"
         logger.info("native CPU decode steps ready (%s)", library.name)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: the Python forward serves
@@ -102,45 +105,61 @@ def _build() -> None:
         _state["error"] = f"{type(exc).__name__}: {exc}"
         logger.warning("native CPU decode steps unavailable (%s); decode steps run the Python forward, slower",
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
-        logger.debug("native build failure: %s", _state["error"])
     finally:
         _built.set()
 
 
-def _compile(library: Path) -> None:
-    """Build in a folder of this process's own, then move the library into place in one
-    rename: a reader sees either no library or a whole one."""
+def _run_builder(library: Path) -> None:
+    """Compile in a child process of its own session, at a lower priority: it finishes and
+    installs the library even when this process exits first (a one-shot `antiphon generate`
+    on a cold cache), and steps served meanwhile keep most of the CPU."""
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import os, sys; os.nice(10); sys.path.insert(0, {str(root)!r}); "
+            f"from workers.native_decode import build_library; build_library({str(library)!r})")
+    env = dict(os.environ)
+    # torch finds ninja on PATH: the one pip installed sits beside this interpreter.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], env=env, start_new_session=True, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the C++ decode step failed:\n{done.stderr.strip()[-4000:]}")
+
+
+def build_library(library: str | Path, compile_into=None) -> None:
+    """Build `library` unless it exists, one builder at a time across processes (an flock,
+    which the kernel releases when its holder dies, so a killed build never blocks the next).
+    The build runs in a folder of its own and the library is moved into place in one rename:
+    a reader sees no library or a whole one. `compile_into(folder) -> built file`: torch's
+    builder by default (tests pass another)."""
+    import fcntl
+
+    library = Path(library)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(library.parent / "build.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # built by another process meanwhile
+            return
+        # Holding the lock, no one else is building: folders left by killed builds go.
+        for leftover in library.parent.glob("build-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        folder = library.parent / f"build-{library.stem}-{os.getpid()}"
+        folder.mkdir()
+        try:
+            built = (compile_into or _torch_compile)(folder)
+            os.replace(built, library)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
+def _torch_compile(folder: Path) -> Path:
     from torch.utils.cpp_extension import load
 
-    logger.info("compiling the C++ decode step for this CPU in the background (first start only, ~30 s); "
-                "until it is ready, decode steps run the Python forward")
-    folder = library.parent / f"build-{library.stem}-{os.getpid()}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    try:
-        with _lower_priority():
-            built = load(LIBRARY, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder),
-                         is_python_module=False, verbose=False)
-        os.replace(built if isinstance(built, str) else folder / f"{LIBRARY}.so", library)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _lower_priority():
-    """The compiler runs at a lower priority (its processes inherit this thread's niceness),
-    so steps served meanwhile keep most of the CPU."""
-    try:
-        previous = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, 0, min(previous + 10, 19))
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, previous)
+    # Returns the built file's path (and loads it into this short-lived process).
+    return Path(load(LIBRARY, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder),
+                     is_python_module=False, verbose=False))
 
 
 def stack_computes(layers) -> bool:
