@@ -2,6 +2,8 @@
 (workers/native_decode.py) give bitwise the logits of the model's own forward, in every CPU
 mode, on every kind of step the engine schedules."""
 
+import os
+
 import pytest
 import torch
 
@@ -149,6 +151,10 @@ def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_pa
     library = tmp_path / "native" / "antiphon_cpu-test.so"
     leftover = tmp_path / "native" / "build-antiphon_cpu-test-1"  # from a killed build
     leftover.mkdir(parents=True)
+    old_libraries = [tmp_path / "native" / f"antiphon_cpu-old{i}.so" for i in range(native_decode.KEPT_LIBRARIES)]
+    for age, old in enumerate(old_libraries, start=1):
+        old.write_bytes(b"old")
+        os.utime(old, (1e9 - age, 1e9 - age))  # old0 is the newest of them
     folders = []
 
     def fake_compile(folder):
@@ -157,6 +163,8 @@ def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_pa
         return folder / "antiphon_cpu.so"
     native_decode.build_library(library, fake_compile)
     assert library.read_bytes() == b"built" and not leftover.exists() and not folders[0].exists()
+    # The new library and the newest older ones stay; the oldest goes.
+    assert [old.exists() for old in old_libraries] == [True] * (native_decode.KEPT_LIBRARIES - 1) + [False]
     native_decode.build_library(library, lambda folder: pytest.fail("built twice"))
 
     def failing_compile(folder):

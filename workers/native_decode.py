@@ -36,6 +36,10 @@ LIBRARY = "antiphon_cpu"
 # targets whose compilers fuse a * b + c by default. (The source also says so, in a pragma.)
 CFLAGS = ["-O2", "-ffp-contract=off"]
 
+# Libraries kept in the cache: each source, torch or Python version builds its own; older ones
+# go after a build (a process still using one keeps its mapping; its checkout rebuilds).
+KEPT_LIBRARIES = 4
+
 # Product kinds, as decode_stack.cpp's ProductKind.
 INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT = 0, 1, 2
 
@@ -150,6 +154,9 @@ def build_library(library: str | Path, compile_into=None) -> None:
             os.replace(built, library)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        libraries = sorted(library.parent.glob(f"{LIBRARY}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in libraries[KEPT_LIBRARIES:]:
+            old.unlink(missing_ok=True)
     finally:
         os.close(lock)
 
