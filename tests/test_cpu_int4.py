@@ -203,13 +203,53 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
     assert isinstance(layer, RescoredOutputLayer)
     seen = []
     forward = layer.forward
-    monkeypatch.setattr(layer, "forward", lambda hidden: (seen.append(list(layer.full_precision_rows)),
-                                                          forward(hidden))[1])
+    monkeypatch.setattr(layer, "forward", lambda hidden: (seen.append((list(layer.full_precision_rows),
+                                                                       layer.greedy_step)), forward(hidden))[1])
     requests = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={7: 50.0}),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, presence_penalty=1.0)]
     outputs = llm.generate([[5, 9, 2]] * 4, requests)
     assert outputs[0].token_ids == [7, 7]
-    assert seen and all(sorted(rows) == [0, 2, 3] for rows in seen)
-    assert layer.full_precision_rows == []  # reset after every step
+    assert seen and all(sorted(rows) == [0, 2, 3] and not greedy for rows, greedy in seen)
+    assert layer.full_precision_rows == [] and not layer.greedy_step  # reset after every step
+    # Plain greedy rows only: a greedy step; one sampled row among them: not.
+    seen.clear()
+    llm.generate([[5, 9, 2]] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert seen and all(rows == [] and greedy for rows, greedy in seen)
+    seen.clear()
+    llm.generate([[5, 9, 2]] * 2, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                   SamplingParams(temperature=0.8, max_tokens=2, ignore_eos=True)])
+    assert seen and not any(greedy for _, greedy in seen)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_keeps_the_float32_winner(rows, monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 512, bias=False)
+    layer = RescoredOutputLayer(linear)
+    hidden = torch.randn(rows, 64) * 3
+    exact = F.linear(hidden, linear.weight)
+    layer.greedy_step = True
+    monkeypatch.setattr(layer.approximate, "forward", lambda x: pytest.fail("the bfloat16 product ran"))
+    logits = layer(hidden)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    top = exact.topk(8, dim=-1).indices
+    torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    # The tail is the 4-bit copy's: coarser than bfloat16's, still near.
+    torch.testing.assert_close(logits, exact, rtol=0.1, atol=0.6)
+
+
+def test_greedy_answers_of_the_default_model_do_not_change_with_the_4bit_candidates(monkeypatch):
+    """The default model, 64 greedy tokens for three chat turns, candidates from the 4-bit copy
+    and from the bfloat16 product: the same tokens."""
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    llm = LLM(quantization="auto")
+    layer = llm.engine.core.executor.model.lm_head
+    assert layer.selector is not None
+    prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in (
+        "What is the capital of France?", "Tell me about the history of Paris.", "Write a haiku about the sea.")]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    with_selector = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(layer, "selector", None)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_selector

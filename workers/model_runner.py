@@ -203,12 +203,14 @@ class ModelRunner:
                 masks = self.structured.start_step(len(rows), constrained)
         # Rows whose logits the sampler changes (or returns as log-probabilities) need every
         # logit exact where the output layer is bfloat16 (workers/cpu_output_layer.py).
-        exact_rows = []
+        exact_rows, greedy_step = [], False
         if self.rescored_output is not None:
             exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
                           if _reads_the_whole_row(state.sampling_params) or (
                               self.structured is not None and request_ids[row] in self.structured.requests)]
-        with full_precision_logits(self.rescored_output, exact_rows):
+            # Only the winner of each row is read: its candidates may come from a cheaper copy.
+            greedy_step = bool(rows) and not exact_rows and all(s.sampling_params.greedy for s in rows)
+        with full_precision_logits(self.rescored_output, exact_rows, greedy_step):
             logits = self._forward(batch, states)
         output = ModelRunnerOutput()
         if not batch.sample_rows:
