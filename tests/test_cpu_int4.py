@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from workers import cpu_int4, cpu_linear
-from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
+from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
 from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
@@ -209,47 +209,76 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, presence_penalty=1.0)]
+    picks = []
+    selector = layer.selector
+    monkeypatch.setattr(layer, "selector", lambda rows: (picks.append(rows.shape[0]), selector(rows))[1])
     outputs = llm.generate([[5, 9, 2]] * 4, requests)
     assert outputs[0].token_ids == [7, 7]
     assert seen and all(sorted(rows) == [0, 2, 3] and not greedy for rows, greedy in seen)
     assert layer.full_precision_rows == [] and not layer.greedy_step  # reset after every step
     # Plain greedy rows only: a greedy step; one sampled row among them: not.
+    assert picks == []
     seen.clear()
     llm.generate([[5, 9, 2]] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    assert seen and all(rows == [] and greedy for rows, greedy in seen)
+    assert seen and all(rows == [] and greedy for rows, greedy in seen) and picks
     seen.clear()
+    picks.clear()
     llm.generate([[5, 9, 2]] * 2, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                                    SamplingParams(temperature=0.8, max_tokens=2, ignore_eos=True)])
-    assert seen and not any(greedy for _, greedy in seen)
+    assert seen and not any(greedy for _, greedy in seen) and picks == []
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_keeps_the_float32_winner(rows, monkeypatch):
+def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logits_win(rows, bias, monkeypatch):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 512, bias=False)
+    linear = torch.nn.Linear(64, 512, bias=bias)
+    with torch.no_grad():
+        if bias:
+            linear.bias.normal_(0, 3)  # large enough to reorder the candidates if it were left out
     layer = RescoredOutputLayer(linear)
     hidden = torch.randn(rows, 64) * 3
-    exact = F.linear(hidden, linear.weight)
+    exact = linear(hidden)
     layer.greedy_step = True
     monkeypatch.setattr(layer.approximate, "forward", lambda x: pytest.fail("the bfloat16 product ran"))
     logits = layer(hidden)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     top = exact.topk(8, dim=-1).indices
     torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
-    # The tail is the 4-bit copy's: coarser than bfloat16's, still near.
-    torch.testing.assert_close(logits, exact, rtol=0.1, atol=0.6)
+    # Every other logit is out of the running: only the float32 candidates can win.
+    assert (logits == float("-inf")).sum(-1).tolist() == [512 - EXACT_CANDIDATES] * rows
 
 
-def test_greedy_answers_of_the_default_model_do_not_change_with_the_4bit_candidates(monkeypatch):
-    """The default model, 64 greedy tokens for three chat turns, candidates from the 4-bit copy
-    and from the bfloat16 product: the same tokens."""
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
-    llm = LLM(quantization="auto")
-    layer = llm.engine.core.executor.model.lm_head
-    assert layer.selector is not None
-    prompts = [llm.apply_chat_template([{"role": "user", "content": text}]) for text in (
-        "What is the capital of France?", "Tell me about the history of Paris.", "Write a haiku about the sea.")]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    with_selector = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setattr(layer, "selector", None)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == with_selector
+def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 512, bias=False)
+    layer = RescoredOutputLayer(linear)
+    layer.greedy_step = True
+    monkeypatch.setattr(layer, "selector", lambda rows: pytest.fail("the 4-bit copy ran"))
+    hidden = torch.randn(MAX_INT4_ROWS + 1, 64)
+    assert torch.equal(layer(hidden).argmax(-1), F.linear(hidden, linear.weight).argmax(-1))
+    # A vocabulary the kernel does not take (not a multiple of 16) has no 4-bit copy.
+    assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None
+
+
+def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text():
+    """The default model's final hidden states at every position of benchmarks/data/english.txt:
+    the greedy path's winner is the float32 argmax of the whole row, at every one."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.checkpoint import ensure_default_model
+
+    path = ensure_default_model()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    text = (Path(__file__).parent.parent / "benchmarks" / "data" / "english.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, :2048]
+    with torch.inference_mode():
+        hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
+        exact_winners = model.lm_head(hidden).argmax(-1)
+        layer = RescoredOutputLayer(model.lm_head)
+        layer.greedy_step = True
+        winners = torch.cat([layer(rows).argmax(-1) for rows in hidden.split(MAX_INT4_ROWS)])
+    assert len(winners) > 700
+    assert torch.equal(winners, exact_winners)
