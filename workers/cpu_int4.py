@@ -56,6 +56,11 @@ class Int4Weight:
         zeros = self.minimums + 8 * self.scales
         return torch.stack([self.scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales and zeros) as the kernel takes them. The packed codes are one row
+        per output, so packs of row blocks stack along dim 0 (and the scales along dim 1)."""
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes, 1), self.kernel_scales_and_zeros()
+
     def kernel_weights(self) -> torch.Tensor:
         """The float32 weights the kernel multiplies by (its bfloat16 scales and zeros applied)."""
         n, k = self.codes.shape
@@ -113,8 +118,7 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain attributes, not buffers: reading a buffer goes through nn.Module.__getattr__
         # (~1 us), and these are read ~200 times per token. The module lives on the CPU only.
-        self.packed_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized.codes, 1)
-        self.scales_and_zeros = quantized.kernel_scales_and_zeros()
+        self.packed_codes, self.scales_and_zeros = quantized.packed()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self._product = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         # Batches run on the weights the kernel uses (its bfloat16 scales and zeros applied),

@@ -101,10 +101,9 @@ class _Int4Selector:
     def __init__(self, weight: torch.Tensor) -> None:
         codes, scales_and_zeros = [], []
         for start in range(0, weight.shape[0], self.CHUNK_ROWS):
-            quantized = quantize_int4(weight[start:start + self.CHUNK_ROWS])
-            # The kernel's packed codes are one row per output: chunks stack.
-            codes.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized.codes, 1))
-            scales_and_zeros.append(quantized.kernel_scales_and_zeros())
+            chunk_codes, chunk_scales_and_zeros = quantize_int4(weight[start:start + self.CHUNK_ROWS]).packed()
+            codes.append(chunk_codes)
+            scales_and_zeros.append(chunk_scales_and_zeros)
         self.codes = torch.cat(codes)
         self.scales_and_zeros = torch.cat(scales_and_zeros, dim=1).contiguous()
         self.out_features = weight.shape[0]

@@ -179,10 +179,9 @@ class _ProductGroup:
     x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
     bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
     laid side by side (each layer's codes become a view of that tensor; only the small scales
-    are copied), so
-    a step of up to MAX_INT4_ROWS rows makes one kernel call for the group, whose columns are
-    bitwise the separate calls' (checked on a probe at load: the kernel's columns are
-    independent in tiles of 64 outputs, not in its narrower tail tiles)."""
+    are copied), so a step of up to MAX_INT4_ROWS rows makes one kernel call for the group,
+    whose columns are bitwise the separate calls' (checked on a probe at load: the kernel's
+    columns are independent in tiles of 64 outputs, not in its narrower tail tiles)."""
 
     def __init__(self, linears: list[torch.nn.Module]) -> None:
         self.fused = _fuse_int4(linears) if len(linears) > 1 else None
@@ -240,30 +239,25 @@ def _fused_columns_match(linears: list[Int4Linear], codes: torch.Tensor, scales_
 
 def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
     """(whether it takes the bfloat16-rounded input, input -> float32 output), computed as
-    the layer computes it; a layer of another kind runs as its module."""
+    the layer computes it (and as decode_stack.cpp's products() does, from the same
+    description); a layer of another kind runs as its module."""
+    description = _native_product(linear)
+    if description is None:
+        return False, linear
+    kind, weight, scales_and_zeros, batched, bias = description
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    if isinstance(linear, Int4Linear):
-        kernel, scales_and_zeros = linear._product, linear.scales_and_zeros
-        batched, bias = linear.batched.packed_weight, linear.bias
+    if kind == native_decode.FLOAT32_PRODUCT:
+        return False, lambda x: linear_pointwise(x, weight, bias, "none", [], "")
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
 
-        def int4(rounded: torch.Tensor) -> torch.Tensor:
-            if rounded.shape[0] > MAX_INT4_ROWS:
-                out = linear_pointwise(rounded, batched, None, "none", [], "").float()
-            else:
-                # Read at call time: _fuse_int4 re-points it.
-                out = kernel(rounded, linear.packed_codes, GROUP_SIZE, scales_and_zeros).float()
-            return out if bias is None else out + bias
-        return True, int4
-    if isinstance(linear, PackedLinear):
-        packed, bias = linear.packed_weight, linear.bias
-        if linear.dtype == torch.float32:
-            return False, lambda x: linear_pointwise(x, packed, bias, "none", [], "")
-
-        def bf16(rounded: torch.Tensor) -> torch.Tensor:
-            out = linear_pointwise(rounded, packed, None, "none", [], "").float()
-            return out if bias is None else out + bias
-        return True, bf16
-    return False, linear
+    def product(rounded: torch.Tensor) -> torch.Tensor:
+        if kind == native_decode.INT4_PRODUCT and rounded.shape[0] <= MAX_INT4_ROWS:
+            out = kernel(rounded, weight, GROUP_SIZE, scales_and_zeros).float()
+        else:
+            out = linear_pointwise(rounded, batched if kind == native_decode.INT4_PRODUCT else weight, None, "none",
+                                   [], "").float()
+        return out if bias is None else out + bias
+    return True, product
 
 
 def _native_product(linear: torch.nn.Module) -> tuple | None:

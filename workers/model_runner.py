@@ -243,14 +243,15 @@ class ModelRunner:
             # In a pure-decode step a row's logits index is the row itself.
             return logits[self.to_device("logits_index", batch.logits_index)]
         attention, positions = self._attention_metadata(batch, states)
-        input_ids = self.to_device("input_ids", batch.input_ids).unsqueeze(0)
+        input_ids = self.to_device("input_ids", batch.input_ids)
+        logits_index = self.to_device("logits_index", batch.logits_index)
+        if self.lean is not None:
+            return self.lean.forward(input_ids, positions, logits_index, attention)
+        input_ids = input_ids.unsqueeze(0)
         if self.adapter is None:
             inputs = {"input_ids": input_ids}
         else:
             inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
-        logits_index = self.to_device("logits_index", batch.logits_index)
-        if self.lean is not None:
-            return self.lean.forward(input_ids[0], positions, logits_index, attention)
         with step_metadata(attention):
             return self.model(**inputs, position_ids=positions, use_cache=False,
                               logits_to_keep=logits_index).logits[0]

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS
+
 logger = logging.getLogger("antiphon")
 
 SOURCE = Path(__file__).resolve().parent / "native" / "decode_stack.cpp"
@@ -180,8 +182,6 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     when it is not (yet) or a layer is of a kind it does not compute."""
     if not is_ready() or not stack_computes(layers):
         return None
-    from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS
-
     stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, MAX_INT4_ROWS, GROUP_SIZE)
     for layer in layers:
         (input_norm, input_eps), (post_norm, post_eps) = layer.native_norms
