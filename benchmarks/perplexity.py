@@ -58,13 +58,14 @@ def measure(modes: list[str], window: int) -> dict[str, float]:
     for mode in modes:
         model, tokenizer = load_text_model(mode)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
-        # 4-bit layers run their bfloat16 copy for more than MAX_INT4_ROWS rows (cpu_int4.py); scoring
+        # 4-bit layers run their bfloat16 copy above a kernel's max_rows rows (cpu_int4.py); scoring
         # whole windows through the 4-bit kernel instead measures what decoding one stream uses.
-        saved, cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_INT4_ROWS, window
+        saved = cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS
+        cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_NATIVE_INT4_ROWS = window
         try:
             results[mode] = perplexity(model, token_ids, window)
         finally:
-            cpu_int4.MAX_INT4_ROWS = saved
+            cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS = saved
         del model
     return results
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from workers import cpu_int4, cpu_linear
+from workers import cpu_int4, cpu_linear, native_decode
 from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
 from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
@@ -28,6 +28,76 @@ def linear_on_grid(in_features: int, out_features: int, bias: bool = False, seed
     return linear
 
 
+@pytest.fixture(params=["native", "torch"])
+def int4_kernel(request, monkeypatch) -> bool:
+    """4-bit layers on each kernel (cpu_int4.Int4Product); True for the native one."""
+    native = request.param == "native"
+    if native and not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: native)
+    return native
+
+
+def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.Tensor:
+    """What workers/native/int4_product.cpp computes, in float64 after its own rounding of the
+    input: per row and group of 32 inputs, integer codes round(x * (127 / max|x|)) (float32
+    arithmetic, ties to even) at a step of max|x| / 127, times the 4-bit codes and float16
+    scales, plus the float16 minimums times the group's plain sum of x."""
+    rows, k = x.shape
+    n = quantized.codes.shape[0]
+    groups = x.view(rows, k // GROUP_SIZE, GROUP_SIZE)
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
+    x_codes = torch.round(groups * inverse).double()
+    steps = (largest / 127).double().squeeze(-1)  # [rows, G]
+    w_codes = quantized.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).double()
+    dots = torch.einsum("rgi,ngi->rng", x_codes, w_codes)  # exact integers
+    scales = quantized.scales.half().double()  # [n, G]
+    minimums = quantized.minimums.half().double()
+    sums = groups.double().sum(-1)  # [rows, G]
+    return (dots * scales * steps.unsqueeze(1)).sum(-1) + (minimums * sums.unsqueeze(1)).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    linear = linear_on_grid(160, 48, seed=rows)
+    quantized = quantize_int4(linear.weight)
+    product = quantized.product()
+    assert product.native
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=generator) * torch.rand(rows, 1, generator=generator) * 4
+    x[0, :32] = 0  # an all-zero group: step 0, no division by it
+    out = product(x)
+    expected = native_reference(x, quantized)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # Each row alone is bitwise the same as in the batch: a row's numbers do not depend on its step.
+    assert all(torch.equal(product(x[i:i + 1]), out[i:i + 1]) for i in range(rows))
+    # Side by side, two layers' outputs are bitwise each one's (q/k/v and gate/up fuse this way).
+    other = quantize_int4(linear_on_grid(160, 32, seed=rows + 100).weight).product()
+    fused = cpu_int4.Int4Product.concatenate([product, other])
+    assert torch.equal(fused(x), torch.cat([out, other(x)], dim=1))
+    views = fused.column_views([48, 32])
+    assert [tuple(v.shape[:1]) for v in views] == [(3,), (2,)] and views[1].data_ptr() != views[0].data_ptr()
+
+
+def test_the_native_kernel_checks_its_operands():
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    product = quantize_int4(linear_on_grid(64, 32).weight).product()
+    with pytest.raises(RuntimeError, match="inputs"):
+        product(torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="float32"):
+        product(torch.randn(2, 64).double())
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.antiphon_cpu.int4_product(torch.randn(1, 64), product.codes, product.scales.float())
+    # Non-contiguous input is taken (copied), and zero rows give zero rows.
+    x = torch.randn(64, 3).t()
+    assert torch.equal(product(x), product(x.contiguous()))
+    assert product(torch.randn(0, 64)).shape == (0, 32)
+
+
 def test_weights_already_on_the_grid_quantize_exactly_and_others_do_not():
     on_grid = linear_on_grid(96, 40).weight
     quantized = quantize_int4(on_grid)
@@ -41,7 +111,7 @@ def test_weights_already_on_the_grid_quantize_exactly_and_others_do_not():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_batches(bias):
+def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_batches(bias, int4_kernel):
     linear = linear_on_grid(128, 80, bias=bias)
     if bias:
         with torch.no_grad():
@@ -49,30 +119,41 @@ def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_ba
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
     torch.manual_seed(0)
-    for rows in (1, 2, cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_INT4_ROWS + 1, 20):
+    limit = layer.int4.max_rows
+    assert limit == (cpu_int4.MAX_NATIVE_INT4_ROWS if int4_kernel else cpu_int4.MAX_INT4_ROWS)
+    for rows in (1, 2, limit, limit + 1, 40):
         x = torch.randn(1, rows, 128)
         out = layer(x)
         assert out.shape == (1, rows, 80) and out.dtype == torch.float32
-        # bfloat16 activations and a bfloat16 product over the kernel's weights, then the float32
-        # bias: the product's rounding is relative to the product, so compare it without the bias.
-        product = F.linear(x.bfloat16().float(), quantized.kernel_weights())
+        # The kernel's rounded activations times its weights, then the float32 bias: the product's
+        # rounding is relative to the product, so compare it without the bias. Above
+        # the kernel's rows: bfloat16 activations times the same weights.
         added = linear.bias if bias else 0
-        torch.testing.assert_close(out - added, product, rtol=0.01, atol=0.005)
+        weights = quantized.native_weights() if int4_kernel else quantized.kernel_weights()
+        if rows > limit or not int4_kernel:
+            product = F.linear(x.bfloat16().float(), weights)
+            torch.testing.assert_close(out - added, product, rtol=0.01, atol=0.005)
+        else:
+            product = native_reference(x[0], quantized).float()
+            torch.testing.assert_close(out[0] - added, product, rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernels_weights_stay_within_a_small_part_of_a_step_of_the_checkpoints():
-    """What "no loss in the codes" leaves: bfloat16 scales and zeros, a few % of a step."""
+    """What "no loss in the codes" leaves: torch's kernel's bfloat16 scales and zeros, a few %
+    of a step; the native kernel's float16 scales and minimums are GGUF's own: nothing."""
     linear = linear_on_grid(256, 64, seed=5)
     quantized = quantize_int4(linear.weight)
     step = quantized.scales.repeat_interleave(GROUP_SIZE, dim=1)
     error = (quantized.kernel_weights() - linear.weight).abs() / step
     assert error.max() < 0.08
+    assert torch.equal(quantized.native_weights(), linear.weight.detach())
 
 
-def test_both_paths_multiply_by_exactly_the_kernels_weights():
-    """One-hot rows read the weights back: the 4-bit kernel and the bfloat16 copy hold the
+def test_both_paths_multiply_by_exactly_the_kernels_weights(monkeypatch):
+    """One-hot rows read the weights back: torch's 4-bit kernel and the bfloat16 copy hold the
     same ones (bfloat16-rounded), those of the kernel's bfloat16 scales and zeros, not the
     float32-scale dequantization."""
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: False)
     linear = linear_on_grid(64, 32, seed=7)
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
@@ -85,7 +166,23 @@ def test_both_paths_multiply_by_exactly_the_kernels_weights():
     assert not torch.equal(quantized.dequantize().bfloat16().float(), expected)
 
 
-def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatch):
+def test_the_native_kernel_and_its_bfloat16_copy_hold_the_float16_scaled_weights():
+    """One-hot rows read the native kernel's weights back (up to the rounding of 1 / 127 * 127),
+    and the batched copy holds the same weights, bfloat16-rounded."""
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    linear = linear_on_grid(64, 32, seed=7)
+    quantized = quantize_int4(linear.weight)
+    layer = Int4Linear(linear, quantized)
+    assert layer.int4.native
+    eye = torch.eye(64)
+    four_bit = torch.cat([layer(eye[start:start + cpu_int4.MAX_INT4_ROWS])
+                          for start in range(0, 64, cpu_int4.MAX_INT4_ROWS)]).t()
+    torch.testing.assert_close(four_bit, quantized.native_weights(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(layer.batched(eye).t(), quantized.native_weights().bfloat16().float())
+
+
+def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatch, int4_kernel):
     """A request's numbers must not depend on how many others share its step beyond rounding:
     both paths multiply by the same weights."""
     linear = linear_on_grid(256, 64, seed=3)
@@ -93,7 +190,10 @@ def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatc
     x = torch.randn(2, 256)
     four_bit = layer(x)
     monkeypatch.setattr(cpu_int4, "MAX_INT4_ROWS", 0)
-    torch.testing.assert_close(layer(x), four_bit, rtol=0.01, atol=0.004)
+    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 0)
+    # The native kernel's 8-bit input (a step of max|x| / 127 per group of 32) rounds more than
+    # bfloat16's: ~0.005 per output here (std), against ~0.001.
+    torch.testing.assert_close(layer(x), four_bit, rtol=0.01, atol=0.04 if int4_kernel else 0.004)
 
 
 def test_a_non_contiguous_weight_quantizes():
@@ -196,6 +296,20 @@ def test_listed_rows_get_float32_logits_for_the_whole_row():
     torch.testing.assert_close(layer(hidden)[0], exact, rtol=1e-6, atol=1e-6)
 
 
+class WatchedSelector:
+    """Stands in for an output layer's 4-bit candidate picker: records each call's rows and
+    runs the real one, or fails the test where it must not run."""
+
+    def __init__(self, selector, allowed: bool = True) -> None:
+        self.selector, self.product, self.allowed, self.rows = selector, selector.product, allowed, []
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.allowed:
+            pytest.fail("the 4-bit copy ran")
+        self.rows.append(rows.shape[0])
+        return self.selector(rows)
+
+
 def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama, monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
     llm = LLM(str(tiny_llama), quantization="bf16", num_kv_blocks=64)
@@ -209,9 +323,9 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, presence_penalty=1.0)]
-    picks = []
-    selector = layer.selector
-    monkeypatch.setattr(layer, "selector", lambda rows: (picks.append(rows.shape[0]), selector(rows))[1])
+    watched = WatchedSelector(layer.selector)
+    picks = watched.rows
+    monkeypatch.setattr(layer, "selector", watched)
     outputs = llm.generate([[5, 9, 2]] * 4, requests)
     assert outputs[0].token_ids == [7, 7]
     assert seen and all(sorted(rows) == [0, 2, 3] and not greedy for rows, greedy in seen)
@@ -254,8 +368,8 @@ def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatc
     linear = torch.nn.Linear(64, 512, bias=False)
     layer = RescoredOutputLayer(linear)
     layer.greedy_step = True
-    monkeypatch.setattr(layer, "selector", lambda rows: pytest.fail("the 4-bit copy ran"))
-    hidden = torch.randn(MAX_INT4_ROWS + 1, 64)
+    monkeypatch.setattr(layer, "selector", WatchedSelector(layer.selector, allowed=False))
+    hidden = torch.randn(layer.selector.product.max_rows + 1, 64)
     assert torch.equal(layer(hidden).argmax(-1), F.linear(hidden, linear.weight).argmax(-1))
     # A vocabulary the kernel does not take (not a multiple of 16) has no 4-bit copy.
     assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.tiny_models import save_tiny_checkpoint
-from workers import cpu_linear, native_decode
+from workers import cpu_int4, cpu_linear, native_decode
 from workers.lean_decoder import LeanDecoder, lean_decoder_for
 from workers.model_runner import ModelRunner
 from workers.paged_attention import decode_attention
@@ -83,12 +83,30 @@ def generate_every_kind_of_step(llm: LLM) -> None:
     llm.generate([[50, 51, 52]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int8"])
+def quantization(mode: str, monkeypatch) -> str:
+    """The --quantization of a test mode: "int4" has 4-bit layers on the native kernel where
+    this CPU has AVX-512 VNNI (asserted by the caller), up to 8 rows so that the 12-stream
+    steps take the batched copy; "int4-torch" on torch's kernel."""
+    if mode == "int4":
+        monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", cpu_int4.MAX_INT4_ROWS)
+    if mode == "int4-torch":
+        monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: False)
+        return "int4"
+    return mode
+
+
+def int4_kinds(runner) -> set[int]:
+    return {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts
+            if part[0] in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT)}
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mode, monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
     # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
-    llm = LLM(str(tiny_checkpoints[arch]), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
+    llm = LLM(str(tiny_checkpoints[arch]), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
+              max_num_batched_tokens=24)
     steps = run_both_forwards(monkeypatch, llm)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -99,17 +117,22 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
 # hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
 # run fused. int8 layers are not the C++ stack's (the lean Python forward takes them).
 # Llama with every bias on: o_proj and down_proj biases too.
-@pytest.mark.parametrize("mode", ["none", "bf16", "int4"])
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-biased"])
 def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
     biases = dict(attention_bias=True, mlp_bias=True) if arch == "llama-biased" else {}
     checkpoint = save_tiny_checkpoint(arch.split("-")[0], tmp_path / arch, hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256, **biases)
-    llm = LLM(str(checkpoint), quantization=mode, num_kv_blocks=256, max_num_batched_tokens=24)
+    llm = LLM(str(checkpoint), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
+              max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     fused = [group.fused is not None for layer in runner.lean.layers for group in (layer.qkv, layer.gate_up)]
-    assert all(fused) if mode == "int4" else not any(fused)
+    assert all(fused) if mode.startswith("int4") else not any(fused)
+    if mode == "int4-torch" or (mode == "int4" and not native_decode.int4_product_available()):
+        assert int4_kinds(runner) == {native_decode.INT4_PRODUCT}
+    elif mode == "int4":
+        assert int4_kinds(runner) == {native_decode.NATIVE_INT4_PRODUCT}
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []

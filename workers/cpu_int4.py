@@ -3,8 +3,15 @@
 A one-row product on a CPU is memory-bound: it reads the whole weight matrix to do little
 arithmetic, so reading 4 bits a weight instead of bfloat16's 16 makes it faster. The layout
 is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale and minimum
-(weight = code * scale + minimum, code 0..15). torch's own CPU kernel runs it
-(`_weight_int4pack_mm_for_cpu`, bfloat16 activations, float accumulation).
+(weight = code * scale + minimum, code 0..15). Two kernels run it, chosen once per process
+(`Int4Product`):
+- on CPUs with AVX-512 VNNI, Antiphon's own (workers/native/int4_product.cpp, built with the
+  C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
+  integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). 1.1-1.3x
+  torch's kernel for one row, 1.6-1.9x for eight; perplexity of the default model 26.94
+  against 26.99 with torch's kernel (float32: 27.03);
+- elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
+  scales and zeros, float accumulation).
 
 Its arithmetic costs more per row than oneDNN's bfloat16 product, so it wins only while reading
 the weights dominates. Measured here over all 210 layers of the default model (each read from
@@ -14,9 +21,10 @@ weights, oneDNN-packed, for larger batches and prefill chunks.
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
-checks per layer, and `auto` converts only such layers. What remains is the kernel's bfloat16
-scales and zeros (up to ~5% of a step per weight) and bfloat16 activations: the accuracy of
-the bf16 mode (perplexity 0.998x of exact on the default model), not exactness.
+checks per layer, and `auto` converts only such layers. What remains is the kernels' rounding
+of the activations (to 8 bits per group, or to bfloat16) and, with torch's kernel, of the
+scales and zeros to bfloat16 (up to ~5% of a step per weight): the accuracy of the bf16 mode
+(perplexity within 0.3% of exact on the default model), not exactness.
 
 Memory: the codes, the scales and the bfloat16 copy take ~2.6 bytes per weight, more than
 bf16's 2; the gain is in the bytes a decode step reads (0.5 per weight + scales).
@@ -32,8 +40,12 @@ from workers.cpu_packed_linear import PackedLinear
 
 GROUP_SIZE = 32
 MAX_CODE = 15
-# Up to this many rows the 4-bit kernel runs; more rows use the bfloat16 copy (see above).
+# Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. torch's kernel
+# against oneDNN's bfloat16 product (see above): 1 row 3x, 8 rows 1.5x, 12-16 even. The native
+# one over the default model's 210 layers: 5.4x at 1 row, 2.4x at 8, 1.5x at 16, 1.2x at 32,
+# 1.04x at 64 (the copy's 16-bit weights are four times the bytes).
 MAX_INT4_ROWS = 8
+MAX_NATIVE_INT4_ROWS = 32
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
 GRID_TOLERANCE = 1e-3
 PROBE_ROWS = 16
@@ -61,8 +73,42 @@ class Int4Weight:
         per output, so packs of row blocks stack along dim 0 (and the scales along dim 1)."""
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes, 1), self.kernel_scales_and_zeros()
 
+    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(codes, scales and minimums) in the layout of workers/native/int4_product.cpp:
+        codes uint8 [N/16, K/32, 4, 64] (two codes a byte, in vpdpbusd's operand order) and
+        float16 [N/16, K/32, 2, 16]. Packs of row blocks stack along dim 0. None where a
+        scale or minimum does not fit float16."""
+        n, k = self.codes.shape
+        tiles, groups = n // 16, k // GROUP_SIZE
+        if n % 16:
+            return None
+        # [tile, output j, group, pair p, nibble h, input i] -> [tile, group, pair, nibble, 4 * j + i]
+        codes = (self.codes.to(torch.uint8).view(tiles, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+                 .reshape(tiles, groups, 4, 2, 64))
+        packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).contiguous()
+        scales_and_minimums = (torch.stack([self.scales, self.minimums]).view(2, tiles, 16, groups)
+                               .permute(1, 3, 0, 2).to(torch.float16).contiguous())
+        if not torch.isfinite(scales_and_minimums).all():
+            return None
+        return packed, scales_and_minimums
+
+    def native_weights(self) -> torch.Tensor:
+        """The float32 weights the native kernel multiplies by (float16 scales and minimums)."""
+        n, k = self.codes.shape
+        groups = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        scales = self.scales.to(torch.float16).float().unsqueeze(-1)
+        minimums = self.minimums.to(torch.float16).float().unsqueeze(-1)
+        return (groups * scales + minimums).view(n, k)
+
+    def product(self) -> "Int4Product":
+        """This weight packed for the process's 4-bit kernel (see the module docstring)."""
+        layout = self.native_layout() if native_kernel_available() else None
+        if layout is not None:
+            return Int4Product(True, *layout)
+        return Int4Product(False, *self.packed())
+
     def kernel_weights(self) -> torch.Tensor:
-        """The float32 weights the kernel multiplies by (its bfloat16 scales and zeros applied)."""
+        """The float32 weights torch's kernel multiplies by (its bfloat16 scales and zeros applied)."""
         n, k = self.codes.shape
         scale_zero = self.kernel_scales_and_zeros().float()  # [G, N, 2]
         scales, zeros = scale_zero[..., 0].t().unsqueeze(-1), scale_zero[..., 1].t().unsqueeze(-1)
@@ -72,6 +118,59 @@ class Int4Weight:
 
 def kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def native_kernel_available() -> bool:
+    """Whether 4-bit weights use the native VNNI kernel in this process (it waits for the
+    native library's build on the first call; see native_decode.int4_product_available)."""
+    from workers import native_decode  # here: native_decode imports this module
+
+    return native_decode.int4_product_available()
+
+
+@dataclass
+class Int4Product:
+    """A 4-bit weight packed for one of the two kernels, as a product x [rows, K] float32 ->
+    [rows, N] float32. `rounded`: x already rounded to bfloat16, where the caller has it
+    (torch's kernel takes bfloat16; the native one ignores it)."""
+
+    native: bool
+    codes: torch.Tensor
+    scales: torch.Tensor  # native: scales and minimums; torch's: scales and zeros
+
+    def __call__(self, x: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native:
+            return torch.ops.antiphon_cpu.int4_product(x, self.codes, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16) if rounded is None else rounded,
+                                                          self.codes, GROUP_SIZE, self.scales).float()
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows this kernel takes; more take the layer's bfloat16 copy."""
+        return MAX_NATIVE_INT4_ROWS if self.native else MAX_INT4_ROWS
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * 16 if self.native else self.codes.shape[0]
+
+    @staticmethod
+    def concatenate(products: list["Int4Product"]) -> "Int4Product":
+        """The products' outputs side by side, as one product (all of one kernel)."""
+        native = products[0].native
+        if any(p.native != native for p in products):
+            raise ValueError("4-bit products of two kernels cannot be concatenated")
+        codes = torch.cat([p.codes for p in products])
+        scales = torch.cat([p.scales for p in products], dim=0 if native else 1).contiguous()
+        return Int4Product(native, codes, scales)
+
+    def column_views(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Views of the codes holding each consecutive block of `sizes` outputs."""
+        step = 16 if self.native else 1
+        views, offset = [], 0
+        for size in sizes:
+            views.append(self.codes[offset // step:(offset + size) // step])
+            offset += size
+        return views
 
 
 def can_quantize(linear: torch.nn.Linear) -> bool:
@@ -109,8 +208,8 @@ def int4_if_on_grid(weight: torch.Tensor) -> Int4Weight | None:
 
 
 class Int4Linear(torch.nn.Module):
-    """`nn.Linear` on 4-bit weights for up to MAX_INT4_ROWS rows, on their bfloat16 copy for more.
-    Takes and returns float32 (the input is rounded to bfloat16, as in the bf16 mode); the
+    """`nn.Linear` on 4-bit weights for up to `int4.max_rows` rows, on their bfloat16 copy for more.
+    Takes and returns float32 (the kernel rounds the input: see the module docstring); the
     bias stays float32 (added here, not by the copy)."""
 
     def __init__(self, linear: torch.nn.Linear, quantized: Int4Weight) -> None:
@@ -118,13 +217,12 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain attributes, not buffers: reading a buffer goes through nn.Module.__getattr__
         # (~1 us), and these are read ~200 times per token. The module lives on the CPU only.
-        self.packed_codes, self.scales_and_zeros = quantized.packed()
+        self.int4 = quantized.product()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self._product = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-        # Batches run on the weights the kernel uses (its bfloat16 scales and zeros applied),
-        # so a request's numbers move only by rounding when its step grows past MAX_INT4_ROWS.
+        # Batches run on the weights the kernel uses (its rounded scales applied), so a
+        # request's numbers move only by rounding when its step grows past `int4.max_rows`.
         dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
-        dense.weight.data = quantized.kernel_weights()
+        dense.weight.data = quantized.native_weights() if self.int4.native else quantized.kernel_weights()
         self.batched = PackedLinear(dense, torch.bfloat16)
         # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
         self.weight = self.batched.weight
@@ -132,13 +230,14 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Kept to the fewest torch calls: this runs ~200 times per decoded token.
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_INT4_ROWS:
+        if rows.shape[0] > self.int4.max_rows:
             return self.batched(x) if self.bias is None else self.batched(x) + self.bias
-        out = self._product(rows.to(torch.bfloat16), self.packed_codes, GROUP_SIZE, self.scales_and_zeros).float()
+        out = self.int4(rows)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 groups of {GROUP_SIZE} (bfloat16 copy above {MAX_INT4_ROWS} rows)")
+                f"int4 groups of {GROUP_SIZE}, {'native VNNI' if self.int4.native else 'torch'} kernel "
+                f"(bfloat16 copy above {self.int4.max_rows} rows)")

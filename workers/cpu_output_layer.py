@@ -32,7 +32,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, can_quantize, quantize_int4
+from workers.cpu_int4 import Int4Product, can_quantize, quantize_int4
 from workers.cpu_packed_linear import PackedLinear
 
 # Covers greedy choices with a wide margin; more costs a larger gather per row.
@@ -56,8 +56,7 @@ class RescoredOutputLayer(torch.nn.Module):
         # Whether every row of this forward is plain greedy; set per step by the runner.
         self.greedy_step = False
         # Greedy steps' candidate picker (None where the 4-bit kernel does not take the shape).
-        self.selector = (_Int4Selector(linear.weight) if can_quantize(linear) and torch.isfinite(linear.weight).all()
-                         else None)
+        self.selector = _Int4Selector.of(linear)
         self.weight = self.approximate.weight  # see PackedLinear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -65,7 +64,7 @@ class RescoredOutputLayer(torch.nn.Module):
         bias = self.approximate.bias
         if len(self.full_precision_rows) == rows.shape[0]:  # every row exact: skip the bfloat16 pass
             return F.linear(rows, self.exact_weight, bias).view(*hidden.shape[:-1], self.out_features)
-        greedy = self.greedy_step and self.selector is not None and rows.shape[0] <= MAX_INT4_ROWS
+        greedy = self.greedy_step and self.selector is not None and rows.shape[0] <= self.selector.product.max_rows
         if greedy:
             logits = self.selector(rows)
             if bias is not None:
@@ -99,18 +98,23 @@ class _Int4Selector:
     CHUNK_ROWS = 4096
 
     def __init__(self, weight: torch.Tensor) -> None:
-        codes, scales_and_zeros = [], []
-        for start in range(0, weight.shape[0], self.CHUNK_ROWS):
-            chunk_codes, chunk_scales_and_zeros = quantize_int4(weight[start:start + self.CHUNK_ROWS]).packed()
-            codes.append(chunk_codes)
-            scales_and_zeros.append(chunk_scales_and_zeros)
-        self.codes = torch.cat(codes)
-        self.scales_and_zeros = torch.cat(scales_and_zeros, dim=1).contiguous()
+        self.product = Int4Product.concatenate([quantize_int4(weight[start:start + self.CHUNK_ROWS]).product()
+                                                for start in range(0, weight.shape[0], self.CHUNK_ROWS)])
         self.out_features = weight.shape[0]
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.codes, GROUP_SIZE,
-                                                           self.scales_and_zeros).float()
+        return self.product(rows)
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> "_Int4Selector | None":
+        """None where the 4-bit kernels do not take the matrix: a shape off their tiles,
+        non-finite weights, or chunks whose scales fit float16 only in part (two kernels)."""
+        if not can_quantize(linear) or not torch.isfinite(linear.weight).all():
+            return None
+        try:
+            return cls(linear.weight)
+        except ValueError:
+            return None
 
 
 @contextlib.contextmanager

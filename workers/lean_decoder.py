@@ -11,7 +11,7 @@ the same values in the same order, and leaves out what computes nothing:
 - products sharing an input (q/k/v, gate/up) share one bfloat16 copy of it in the bfloat16
   and 4-bit modes, instead of making one each (the copy is the same every time);
 - the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
-  workers/cpu_packed_linear.py, with the same rules: up to MAX_INT4_ROWS rows 4-bit, the
+  workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows 4-bit, the
   bias added in float32 after the product).
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from workers import native_decode
-from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear
+from workers import cpu_int4
+from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
 from workers.paged_attention import PagedAttentionMetadata, attend
@@ -43,7 +44,8 @@ LEAN_MODELS = {
     "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP"),
 }
 
-Product = Callable[[torch.Tensor], torch.Tensor]
+# x float32 and its bfloat16 copy (None where no product of the group takes one) -> float32.
+Product = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def lean_decoder_for(model: torch.nn.Module) -> "LeanDecoder | None":
@@ -179,93 +181,110 @@ class _ProductGroup:
     x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
     bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
     laid side by side (each layer's codes become a view of that tensor; only the small scales
-    are copied), so a step of up to MAX_INT4_ROWS rows makes one kernel call for the group,
-    whose columns are bitwise the separate calls' (checked on a probe at load: the kernel's
-    columns are independent in tiles of 64 outputs, not in its narrower tail tiles)."""
+    are copied), so a step of up to the kernel's max_rows rows makes one kernel call for the group,
+    whose columns are bitwise the separate calls' (the native kernel computes each tile of 16
+    outputs on its own; torch's is checked on a probe at load: its columns are independent in
+    tiles of 64 outputs, not in its narrower tail tiles)."""
 
     def __init__(self, linears: list[torch.nn.Module]) -> None:
         self.fused = _fuse_int4(linears) if len(linears) > 1 else None
-        self.parts = [_product(linear) for linear in linears]
-        self.rounds = any(takes_bf16 for takes_bf16, _ in self.parts)
         self.native_parts = [_native_product(linear) for linear in linears]
+        self.parts = [_product(linear, description) for linear, description in zip(linears, self.native_parts)]
+        kinds = {description[0] for description in self.native_parts if description is not None}
+        # Whether the bfloat16 copy of the input is needed at all row counts, or above
+        # MAX_NATIVE_INT4_ROWS only (the native 4-bit kernel takes float32; its batched copy bfloat16).
+        self.rounds_always = bool(kinds & {native_decode.INT4_PRODUCT, native_decode.BF16_PRODUCT})
+        self.rounds_above = native_decode.NATIVE_INT4_PRODUCT in kinds
         if any(part is None for part in self.native_parts):
             self.native_parts = None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        rounded = x.to(torch.bfloat16) if self.rounds else None
-        if self.fused is not None and x.shape[0] <= MAX_INT4_ROWS:
-            codes, scales_and_zeros, bias, sizes = self.fused
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rounded, codes, GROUP_SIZE, scales_and_zeros).float()
+        rows = x.shape[0]
+        rounds = self.rounds_always or (self.rounds_above and rows > cpu_int4.MAX_NATIVE_INT4_ROWS)
+        rounded = x.to(torch.bfloat16) if rounds else None
+        if self.fused is not None and rows <= self.fused[0].max_rows:
+            product, bias, sizes = self.fused
+            out = product(x, rounded)
             return (out if bias is None else out + bias).split(sizes, dim=1)
-        return [product(rounded if takes_bf16 else x) for takes_bf16, product in self.parts]
+        return [product(x, rounded) for product in self.parts]
+
+    @property
+    def native_fused(self) -> tuple | None:
+        """The fused product as decode_stack.cpp's fuse_group takes it."""
+        if self.fused is None:
+            return None
+        product, bias, sizes = self.fused
+        return product.codes, product.scales, bias, sizes
 
 
 def _fuse_int4(linears: list[torch.nn.Module]) -> tuple | None:
-    """(codes, scales and zeros, bias or None, output sizes) of 4-bit layers side by side;
-    None unless all are 4-bit with all or none biased. Re-points each layer's codes at its
-    rows of the new tensor (the kernel's packed codes are one row per output)."""
+    """(the 4-bit product of all, bias or None, output sizes) of 4-bit layers side by side;
+    None unless all are 4-bit on one kernel with all or none biased. Re-points each layer's
+    codes at its outputs of the new tensor."""
     if not all(isinstance(linear, Int4Linear) for linear in linears):
+        return None
+    if len({linear.int4.native for linear in linears}) != 1:
         return None
     biases = [linear.bias for linear in linears]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
-    codes = torch.cat([linear.packed_codes for linear in linears])
-    scales_and_zeros = torch.cat([linear.scales_and_zeros for linear in linears], dim=1).contiguous()
-    if not _fused_columns_match(linears, codes, scales_and_zeros):
+    fused = Int4Product.concatenate([linear.int4 for linear in linears])
+    sizes = [linear.out_features for linear in linears]
+    if not fused.native and not _fused_columns_match(linears, fused):
         return None
-    offset = 0
-    for linear in linears:
-        linear.packed_codes = codes[offset:offset + linear.out_features]
-        offset += linear.out_features
+    for linear, codes in zip(linears, fused.column_views(sizes)):
+        linear.int4 = Int4Product(linear.int4.native, codes, linear.int4.scales)
     bias = None if biases[0] is None else torch.cat(biases)
-    return codes, scales_and_zeros, bias, [linear.out_features for linear in linears]
+    return fused, bias, sizes
 
 
-def _fused_columns_match(linears: list[Int4Linear], codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> bool:
-    """Whether the fused product gives bitwise the separate products' columns, for every
-    row count it serves (1 to MAX_INT4_ROWS) on a probe input. It does for outputs in
-    multiples of 64 (the default model's); narrower ones go through the kernel's tail tiles,
-    which round apart."""
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+def _fused_columns_match(linears: list[Int4Linear], fused: Int4Product) -> bool:
+    """Whether torch's kernel gives bitwise the separate products' columns for the fused
+    product, for every row count it serves (1 to MAX_INT4_ROWS) on a probe input. It does for
+    outputs in multiples of 64 (the default model's); narrower ones go through the kernel's
+    tail tiles, which round apart."""
     probe = torch.Generator().manual_seed(0)
     for rows in range(1, MAX_INT4_ROWS + 1):
-        x = torch.randn(rows, linears[0].in_features, generator=probe).to(torch.bfloat16)
-        separate = torch.cat([kernel(x, linear.packed_codes, GROUP_SIZE, linear.scales_and_zeros)
-                              for linear in linears], dim=1)
-        if not torch.equal(separate, kernel(x, codes, GROUP_SIZE, scales_and_zeros)):
+        x = torch.randn(rows, linears[0].in_features, generator=probe)
+        separate = torch.cat([linear.int4(x) for linear in linears], dim=1)
+        if not torch.equal(separate, fused(x)):
             return False
     return True
 
 
-def _product(linear: torch.nn.Module) -> tuple[bool, Product]:
-    """(whether it takes the bfloat16-rounded input, input -> float32 output), computed as
-    the layer computes it (and as decode_stack.cpp's products() does, from the same
-    description); a layer of another kind runs as its module."""
-    description = _native_product(linear)
+def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
+    """x float32 (and its bfloat16 copy, where some product takes one) -> float32 output,
+    computed as the layer computes it (and as decode_stack.cpp's products() does, from the
+    same description); a layer of another kind runs as its module."""
     if description is None:
-        return False, linear
-    kind, weight, scales_and_zeros, batched, bias = description
+        return lambda x, rounded: linear(x)
+    kind, weight, scales, batched, bias = description
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     if kind == native_decode.FLOAT32_PRODUCT:
-        return False, lambda x: linear_pointwise(x, weight, bias, "none", [], "")
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return lambda x, rounded: linear_pointwise(x, weight, bias, "none", [], "")
+    if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
+        int4 = linear.int4
 
-    def product(rounded: torch.Tensor) -> torch.Tensor:
-        if kind == native_decode.INT4_PRODUCT and rounded.shape[0] <= MAX_INT4_ROWS:
-            out = kernel(rounded, weight, GROUP_SIZE, scales_and_zeros).float()
-        else:
-            out = linear_pointwise(rounded, batched if kind == native_decode.INT4_PRODUCT else weight, None, "none",
-                                   [], "").float()
+        def product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
+            if x.shape[0] <= int4.max_rows:
+                out = int4(x, rounded)
+            else:
+                out = linear_pointwise(rounded, batched, None, "none", [], "").float()
+            return out if bias is None else out + bias
+        return product
+
+    def bf16_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
+        out = linear_pointwise(rounded, weight, None, "none", [], "").float()
         return out if bias is None else out + bias
-    return True, product
+    return bf16_product
 
 
 def _native_product(linear: torch.nn.Module) -> tuple | None:
-    """The C++ stack's description of a product: (kind, weight, scales and zeros, batched
-    copy, bias), kinds as in decode_stack.cpp; None for a layer it does not compute."""
+    """The C++ stack's description of a product: (kind, weight, scales, batched copy, bias),
+    kinds as in decode_stack.cpp; None for a layer it does not compute."""
     if isinstance(linear, Int4Linear):
-        return (native_decode.INT4_PRODUCT, linear.packed_codes, linear.scales_and_zeros, linear.batched.packed_weight,
-                linear.bias)
+        kind = native_decode.NATIVE_INT4_PRODUCT if linear.int4.native else native_decode.INT4_PRODUCT
+        return kind, linear.int4.codes, linear.int4.scales, linear.batched.packed_weight, linear.bias
     if isinstance(linear, PackedLinear):
         kind = native_decode.BF16_PRODUCT if linear.dtype == torch.bfloat16 else native_decode.FLOAT32_PRODUCT
         return kind, linear.packed_weight, None, None, linear.bias

@@ -27,23 +27,31 @@ from pathlib import Path
 
 import torch
 
-from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS
+from workers import cpu_int4
 
 logger = logging.getLogger("antiphon")
 
-SOURCE = Path(__file__).resolve().parent / "native" / "decode_stack.cpp"
+NATIVE = Path(__file__).resolve().parent / "native"
+SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp"]
+HEADERS = [NATIVE / "int4_product.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
 # targets whose compilers fuse a * b + c by default. (The source also says so, in a pragma.)
-CFLAGS = ["-O2", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for (the 4-bit product's threads) is inlined from ATen's headers and
+# runs on OpenMP; the library then uses the libgomp torch has already loaded (same soname).
+CFLAGS = ["-O2", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 # Libraries kept in the cache: each source, torch or Python version builds its own; older ones
 # go after a build (a process still using one keeps its mapping; its checkout rebuilds).
 KEPT_LIBRARIES = 4
 
-# Product kinds, as decode_stack.cpp's ProductKind.
-INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT = 0, 1, 2
+# Product kinds, as decode_stack.cpp's ProductKind: 4-bit with torch's kernel or the native one
+# (cpu_int4.Int4Product), oneDNN-packed bfloat16 or float32.
+INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT = 0, 1, 2, 3
+# How long loading a 4-bit model waits for the library (a first build takes ~15-40 s).
+INT4_BUILD_WAIT_SECONDS = 600
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not started"}  # -> "building" -> "ready" | "failed"
@@ -60,8 +68,10 @@ def library_path() -> Path:
     upgrade builds its own."""
     from engine.checkpoint import cache_dir  # here: the builder process needs no engine imports
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                                      sys.version.encode(), platform.machine().encode()])).hexdigest()[:16]
+    parts = [path.read_bytes() for path in SOURCES + HEADERS]
+    parts += [" ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
+              platform.machine().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return cache_dir() / "native" / f"{LIBRARY}-{key}.so"
 
 
@@ -88,6 +98,19 @@ def wait_until_built(timeout: float | None = None) -> bool:
 
 def is_ready() -> bool:
     return _state["status"] == "ready"
+
+
+def int4_product_available() -> bool:
+    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): the library loads
+    and the CPU has AVX-512 VNNI. A layer picks its kernel once, when the model loads, so that
+    its numbers never change while it serves; so the first call waits for the build (a first
+    start compiles it, once per machine and version), and the answer holds for the process."""
+    if "int4_product" not in _state:
+        if enabled() and not is_ready():
+            logger.info("4-bit layers wait for the native CPU kernels (compiled on the first start only, ~15-40 s)")
+        ready = wait_until_built(INT4_BUILD_WAIT_SECONDS)
+        _state["int4_product"] = ready and bool(torch.ops.antiphon_cpu.int4_product_supported())
+    return bool(_state["int4_product"])
 
 
 def _build() -> None:
@@ -167,7 +190,8 @@ def _torch_compile(folder: Path) -> Path:
     from torch.utils.cpp_extension import load
 
     # Returns the built file's path (and loads it into this short-lived process).
-    return Path(load(LIBRARY, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder),
+    return Path(load(LIBRARY, [str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                     extra_include_paths=[str(NATIVE)], build_directory=str(folder),
                      is_python_module=False, verbose=False))
 
 
@@ -182,7 +206,8 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     when it is not (yet) or a layer is of a kind it does not compute."""
     if not is_ready() or not stack_computes(layers):
         return None
-    stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, MAX_INT4_ROWS, GROUP_SIZE)
+    stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, cpu_int4.MAX_INT4_ROWS,
+                                                   cpu_int4.MAX_NATIVE_INT4_ROWS, cpu_int4.GROUP_SIZE)
     for layer in layers:
         (input_norm, input_eps), (post_norm, post_eps) = layer.native_norms
         key_cache, value_cache = kv_caches[layer.index]
@@ -191,7 +216,7 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
             stack.add_group()
             for product in group.native_parts:
                 stack.add_product(*product)
-            if group.fused is not None:
-                stack.fuse_group(*group.fused)
+            if group.native_fused is not None:
+                stack.fuse_group(*group.native_fused)
     stack.finish()
     return stack

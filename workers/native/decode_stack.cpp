@@ -8,7 +8,8 @@
 // model.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
-// similar lengths), the layers' products being 4-bit (cpu_int4.py) or oneDNN-packed
+// similar lengths), the layers' products being 4-bit (cpu_int4.py: torch's kernel or
+// int4_product.cpp's) or oneDNN-packed
 // (cpu_packed_linear.py) and their norms fused (fused_rms_norm.py). Everything else takes
 // the Python forward.
 
@@ -19,20 +20,24 @@
 
 #include <vector>
 
+#include "int4_product.h"
+
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
 // fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
 
-// How a product is computed, mirroring lean_decoder._product.
-enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2 };
+// How a product is computed, mirroring lean_decoder._product (native_decode.py's kinds).
+enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3 };
+
+bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
 
 struct Product {
   int64_t kind;
-  at::Tensor weight;            // int4: packed codes; packed kinds: the oneDNN weight
-  at::Tensor scales_and_zeros;  // int4 only
-  at::Tensor batched;           // int4 only: the bfloat16 oneDNN copy for more rows
+  at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight
+  at::Tensor scales;  // 4-bit kinds only: torch's scales and zeros, or the native scales and minimums
+  at::Tensor batched; // 4-bit kinds only: the bfloat16 oneDNN copy for more rows
   c10::optional<at::Tensor> bias;
 };
 
@@ -40,7 +45,10 @@ struct Product {
 // 4-bit, their codes side by side: one kernel call for small steps, bitwise the same columns.
 struct ProductGroup {
   std::vector<Product> parts;
-  bool rounds = false;  // some part takes a bfloat16 input (set by finish)
+  // Whether the products need the bfloat16 copy of the input at every row count (torch's
+  // 4-bit kernel, bfloat16 weights), or only above max_native_int4_rows (the native 4-bit kernel
+  // takes float32, its batched copy bfloat16). Set by finish.
+  bool rounds_always = false, rounds_above = false;
   c10::optional<Product> fused;
   std::vector<int64_t> sizes;  // output columns of each part within the fused product
 };
@@ -66,8 +74,11 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight, const
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t head_dim, int64_t max_int4_rows, int64_t group_size)
-      : head_dim_(head_dim), max_int4_rows_(max_int4_rows), group_size_(group_size) {}
+  DecodeStack(int64_t head_dim, int64_t max_int4_rows, int64_t max_native_int4_rows, int64_t group_size)
+      : head_dim_(head_dim),
+        max_int4_rows_(max_int4_rows),
+        max_native_int4_rows_(max_native_int4_rows),
+        group_size_(group_size) {}
 
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
                  double scaling, at::Tensor key_cache, at::Tensor value_cache) {
@@ -87,21 +98,23 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.back().groups.emplace_back();
   }
 
-  void add_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales_and_zeros,
+  void add_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
-    layers_.back().groups.back().parts.push_back(make_product(kind, std::move(weight), std::move(scales_and_zeros),
+    layers_.back().groups.back().parts.push_back(make_product(kind, std::move(weight), std::move(scales),
                                                               std::move(batched), std::move(bias)));
   }
 
   // The last group's parts as one 4-bit product (codes and scales concatenated along the
-  // outputs), used up to max_int4_rows rows.
-  void fuse_group(at::Tensor codes, at::Tensor scales_and_zeros, c10::optional<at::Tensor> bias,
+  // outputs), used up to its kernel's most rows.
+  void fuse_group(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> bias,
                   std::vector<int64_t> sizes) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
     ProductGroup& group = layers_.back().groups.back();
     TORCH_CHECK(sizes.size() == group.parts.size(), "one size per part");
-    group.fused = make_product(kInt4, std::move(codes), std::move(scales_and_zeros), at::Tensor(), std::move(bias));
+    const int64_t kind = group.parts.front().kind;
+    for (const Product& p : group.parts) TORCH_CHECK(is_int4(p.kind) && p.kind == kind, "fused parts are 4-bit, one kernel");
+    group.fused = Product{kind, std::move(codes), std::move(scales), at::Tensor(), std::move(bias)};
     group.sizes = std::move(sizes);
   }
 
@@ -111,7 +124,10 @@ class DecodeStack : public torch::CustomClassHolder {
   void finish() {
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
-        for (const Product& p : group.parts) group.rounds = group.rounds || p.kind != kPackedFloat;
+        for (const Product& p : group.parts) {
+          group.rounds_always = group.rounds_always || p.kind == kInt4 || p.kind == kPackedBf16;
+          group.rounds_above = group.rounds_above || p.kind == kNativeInt4;
+        }
       }
       TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
       TORCH_CHECK(layer.groups[0].parts.size() == 3 && layer.groups[1].parts.size() == 1 &&
@@ -162,12 +178,13 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales_and_zeros,
+  static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind == kInt4 || kind == kPackedBf16 || kind == kPackedFloat, "unknown product kind ", kind);
-    TORCH_CHECK(kind != kInt4 || (scales_and_zeros.has_value() && batched.has_value()),
+    TORCH_CHECK(kind == kInt4 || kind == kPackedBf16 || kind == kPackedFloat || kind == kNativeInt4,
+                "unknown product kind ", kind);
+    TORCH_CHECK(!is_int4(kind) || (scales.has_value() && batched.has_value()),
                 "a 4-bit product needs its scales and its batched copy");
-    return Product{kind, std::move(weight), scales_and_zeros.value_or(at::Tensor()), batched.value_or(at::Tensor()),
+    return Product{kind, std::move(weight), scales.value_or(at::Tensor()), batched.value_or(at::Tensor()),
                    std::move(bias)};
   }
 
@@ -209,13 +226,24 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
+  // The most rows a 4-bit kind takes (cpu_int4.Int4Product.max_rows); more take the batched copy.
+  int64_t max_rows(int64_t kind) const { return kind == kNativeInt4 ? max_native_int4_rows_ : max_int4_rows_; }
+
+  // A 4-bit product of up to max_rows rows.
+  at::Tensor int4(const Product& p, const at::Tensor& x, const at::Tensor& rounded) const {
+    if (p.kind == kNativeInt4) return int4_product(x, p.weight, p.scales);
+    return at::_weight_int4pack_mm_for_cpu(rounded, p.weight, group_size_, p.scales).to(at::kFloat);
+  }
+
   // A group's products on one input; those taking bfloat16 share one rounded copy.
   std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
-    const at::Tensor rounded = group.rounds ? x.to(at::kBFloat16) : at::Tensor();
-    if (group.fused.has_value() && x.size(0) <= max_int4_rows_) {
+    const int64_t rows = x.size(0);
+    const at::Tensor rounded = group.rounds_always || (group.rounds_above && rows > max_native_int4_rows_)
+                                   ? x.to(at::kBFloat16)
+                                   : at::Tensor();
+    if (group.fused.has_value() && rows <= max_rows(group.fused->kind)) {
       const Product& f = *group.fused;
-      at::Tensor y = at::_weight_int4pack_mm_for_cpu(rounded, f.weight, group_size_, f.scales_and_zeros)
-                         .to(at::kFloat);
+      at::Tensor y = int4(f, x, rounded);
       return (f.bias.has_value() ? y + *f.bias : y).split_with_sizes(group.sizes, 1);
     }
     std::vector<at::Tensor> out;
@@ -226,10 +254,10 @@ class DecodeStack : public torch::CustomClassHolder {
         continue;
       }
       at::Tensor y;
-      if (p.kind == kInt4 && rounded.size(0) <= max_int4_rows_) {
-        y = at::_weight_int4pack_mm_for_cpu(rounded, p.weight, group_size_, p.scales_and_zeros).to(at::kFloat);
+      if (is_int4(p.kind) && rows <= max_rows(p.kind)) {
+        y = int4(p, x, rounded);
       } else {
-        y = linear_pointwise(rounded, p.kind == kInt4 ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
+        y = linear_pointwise(rounded, is_int4(p.kind) ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
       }
       out.push_back(p.bias.has_value() ? y + *p.bias : y);
     }
@@ -238,13 +266,13 @@ class DecodeStack : public torch::CustomClassHolder {
 
   bool finished_ = false;
 
-  int64_t head_dim_, max_int4_rows_, group_size_;
+  int64_t head_dim_, max_int4_rows_, max_native_int4_rows_, group_size_;
   std::vector<Layer> layers_;
 };
 
 TORCH_LIBRARY(antiphon_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_group", &DecodeStack::add_group)
       .def("add_product", &DecodeStack::add_product)
