@@ -75,14 +75,25 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--int4-kernel", choices=["process", "native", "torch"], default="process",
+                        help="the 4-bit layers' kernel (cpu_int4.py): the one serving would use, or either")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    from workers import cpu_int4
+
+    if args.int4_kernel != "process":
+        forced = args.int4_kernel == "native"
+        if forced and not cpu_int4.native_kernel_available():
+            parser.error("the native 4-bit kernel is not available here (AVX-512 VNNI and the native library)")
+        cpu_int4.native_kernel_available = lambda wait=True: forced
+    kernel = "native" if cpu_int4.native_kernel_available() else "torch's"
     started = time.perf_counter()
     results = measure([*QUANTIZATION_MODES, "auto"], args.window)
     print("| mode | perplexity | vs none |\n|---|---|---|")
     for mode, value in results.items():
         print(f"| {mode} | {value:.3f} | {value / results['none']:.3f}x |")
-    print(f"\n{TEXT.name}, windows of {args.window} tokens; {time.perf_counter() - started:.0f} s")
+    print(f"\n{TEXT.name}, windows of {args.window} tokens, 4-bit layers on {kernel} kernel; "
+          f"{time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

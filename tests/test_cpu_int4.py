@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from workers import cpu_int4, cpu_linear, native_decode
-from workers.cpu_int4 import GROUP_SIZE, MAX_INT4_ROWS, Int4Linear, on_int4_grid, quantize_int4
+from workers import cpu_int4, cpu_linear, cpu_output_layer, native_decode
+from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
 from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
@@ -34,7 +34,8 @@ def int4_kernel(request, monkeypatch) -> bool:
     native = request.param == "native"
     if native and not native_decode.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: native)
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
+    monkeypatch.setattr(cpu_output_layer, "native_kernel_available", lambda wait=True: native)
     return native
 
 
@@ -47,7 +48,8 @@ def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.T
     n = quantized.codes.shape[0]
     groups = x.view(rows, k // GROUP_SIZE, GROUP_SIZE)
     largest = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
+    ratio = 127 / largest
+    inverse = torch.where((largest > 0) & torch.isfinite(ratio), ratio, torch.zeros_like(largest))
     x_codes = torch.round(groups * inverse).double()
     steps = (largest / 127).double().squeeze(-1)  # [rows, G]
     w_codes = quantized.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).double()
@@ -153,7 +155,7 @@ def test_both_paths_multiply_by_exactly_the_kernels_weights(monkeypatch):
     """One-hot rows read the weights back: torch's 4-bit kernel and the bfloat16 copy hold the
     same ones (bfloat16-rounded), those of the kernel's bfloat16 scales and zeros, not the
     float32-scale dequantization."""
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: False)
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
     linear = linear_on_grid(64, 32, seed=7)
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
@@ -344,13 +346,15 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logits_win(rows, bias, monkeypatch):
+def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logits_win(rows, bias, monkeypatch,
+                                                                                         int4_kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 512, bias=bias)
     with torch.no_grad():
         if bias:
             linear.bias.normal_(0, 3)  # large enough to reorder the candidates if it were left out
     layer = RescoredOutputLayer(linear)
+    assert layer.selector.product.native == int4_kernel
     hidden = torch.randn(rows, 64) * 3
     exact = linear(hidden)
     layer.greedy_step = True
@@ -375,7 +379,7 @@ def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatc
     assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None
 
 
-def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text():
+def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text(int4_kernel):
     """The default model's final hidden states at every position of benchmarks/data/english.txt:
     the greedy path's winner is the float32 argmax of the whole row, at every one."""
     from pathlib import Path
@@ -392,7 +396,8 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
         hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
         exact_winners = model.lm_head(hidden).argmax(-1)
         layer = RescoredOutputLayer(model.lm_head)
+        assert layer.selector.product.native == int4_kernel
         layer.greedy_step = True
-        winners = torch.cat([layer(rows).argmax(-1) for rows in hidden.split(MAX_INT4_ROWS)])
+        winners = torch.cat([layer(rows).argmax(-1) for rows in hidden.split(layer.selector.product.max_rows)])
     assert len(winners) > 700
     assert torch.equal(winners, exact_winners)

@@ -85,12 +85,13 @@ def generate_every_kind_of_step(llm: LLM) -> None:
 
 def quantization(mode: str, monkeypatch) -> str:
     """The --quantization of a test mode: "int4" has 4-bit layers on the native kernel where
-    this CPU has AVX-512 VNNI (asserted by the caller), up to 8 rows so that the 12-stream
-    steps take the batched copy; "int4-torch" on torch's kernel."""
+    this CPU has AVX-512 VNNI (asserted by the caller), up to 10 rows so that the 12-stream
+    steps take the batched copy and 9-10-row steps tell the two kernels' limits apart;
+    "int4-torch" on torch's kernel (up to 8)."""
     if mode == "int4":
-        monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", cpu_int4.MAX_INT4_ROWS)
+        monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 10)
     if mode == "int4-torch":
-        monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda: False)
+        monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
         return "int4"
     return mode
 
@@ -199,6 +200,10 @@ def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_pa
 
 
 def test_int8_layers_never_ask_for_the_stack(tiny_llama, monkeypatch):
+    """Nor does their output matrix's 4-bit candidate copy wait for it (it takes torch's
+    kernel unless the library is loaded already)."""
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.delitem(native_decode._state, "int4_product", raising=False)
     monkeypatch.setattr(native_decode, "start_build", lambda: pytest.fail("int8 started a build"))
     llm = LLM(str(tiny_llama), quantization="int8", num_kv_blocks=64)
     assert llm.engine.core.executor.runner.lean._kv_caches is None

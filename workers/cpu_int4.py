@@ -7,9 +7,10 @@ is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale an
 (`Int4Product`):
 - on CPUs with AVX-512 VNNI, Antiphon's own (workers/native/int4_product.cpp, built with the
   C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
-  integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). 1.1-1.3x
-  torch's kernel for one row, 1.6-1.9x for eight; perplexity of the default model 26.94
-  against 26.99 with torch's kernel (float32: 27.03);
+  integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). Over 210
+  layers of the default model's shapes, two threads: 1.1-1.3x torch's kernel for one row,
+  1.6-1.9x for eight. Perplexity of the default model 26.94, against 26.99 with torch's
+  kernel (float32: 27.03);
 - elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
   scales and zeros, float accumulation).
 
@@ -24,7 +25,7 @@ that already lie on this grid: for them the 4-bit codes lose nothing, which `on_
 checks per layer, and `auto` converts only such layers. What remains is the kernels' rounding
 of the activations (to 8 bits per group, or to bfloat16) and, with torch's kernel, of the
 scales and zeros to bfloat16 (up to ~5% of a step per weight): the accuracy of the bf16 mode
-(perplexity within 0.3% of exact on the default model), not exactness.
+(perplexity within 0.4% of exact on the default model), not exactness.
 
 Memory: the codes, the scales and the bfloat16 copy take ~2.6 bytes per weight, more than
 bf16's 2; the gain is in the bytes a decode step reads (0.5 per weight + scales).
@@ -77,7 +78,8 @@ class Int4Weight:
         """(codes, scales and minimums) in the layout of workers/native/int4_product.cpp:
         codes uint8 [N/16, K/32, 4, 64] (two codes a byte, in vpdpbusd's operand order) and
         float16 [N/16, K/32, 2, 16]. Packs of row blocks stack along dim 0. None where a
-        scale or minimum does not fit float16."""
+        scale or minimum does not fit float16 to its precision (2^-11 relative: not finite, or
+        subnormal; GGUF's Q4_1 values are float16 already)."""
         n, k = self.codes.shape
         tiles, groups = n // 16, k // GROUP_SIZE
         if n % 16:
@@ -86,9 +88,10 @@ class Int4Weight:
         codes = (self.codes.to(torch.uint8).view(tiles, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
                  .reshape(tiles, groups, 4, 2, 64))
         packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).contiguous()
-        scales_and_minimums = (torch.stack([self.scales, self.minimums]).view(2, tiles, 16, groups)
-                               .permute(1, 3, 0, 2).to(torch.float16).contiguous())
-        if not torch.isfinite(scales_and_minimums).all():
+        exact = torch.stack([self.scales, self.minimums]).view(2, tiles, 16, groups).permute(1, 3, 0, 2)
+        scales_and_minimums = exact.to(torch.float16).contiguous()
+        error = (scales_and_minimums.float() - exact).abs()
+        if not bool((error <= exact.abs() * 2.0 ** -11).all()):
             return None
         return packed, scales_and_minimums
 
@@ -100,9 +103,10 @@ class Int4Weight:
         minimums = self.minimums.to(torch.float16).float().unsqueeze(-1)
         return (groups * scales + minimums).view(n, k)
 
-    def product(self) -> "Int4Product":
-        """This weight packed for the process's 4-bit kernel (see the module docstring)."""
-        layout = self.native_layout() if native_kernel_available() else None
+    def product(self, native: bool | None = None) -> "Int4Product":
+        """This weight packed for the native kernel (`native`; by default where the process
+        uses it) where its scales fit, else for torch's."""
+        layout = self.native_layout() if (native_kernel_available() if native is None else native) else None
         if layout is not None:
             return Int4Product(True, *layout)
         return Int4Product(False, *self.packed())
@@ -120,15 +124,15 @@ def kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def native_kernel_available() -> bool:
-    """Whether 4-bit weights use the native VNNI kernel in this process (it waits for the
-    native library's build on the first call; see native_decode.int4_product_available)."""
+def native_kernel_available(wait: bool = True) -> bool:
+    """Whether 4-bit weights use the native VNNI kernel in this process (the first call waits
+    for the native library's build; see native_decode.int4_product_available)."""
     from workers import native_decode  # here: native_decode imports this module
 
-    return native_decode.int4_product_available()
+    return native_decode.int4_product_available(wait)
 
 
-@dataclass
+@dataclass(eq=False)
 class Int4Product:
     """A 4-bit weight packed for one of the two kernels, as a product x [rows, K] float32 ->
     [rows, N] float32. `rounded`: x already rounded to bfloat16, where the caller has it
@@ -138,20 +142,22 @@ class Int4Product:
     codes: torch.Tensor
     scales: torch.Tensor  # native: scales and minimums; torch's: scales and zeros
 
+    def __post_init__(self) -> None:
+        # Resolved once: this runs ~200 times per decoded token.
+        self._kernel = (torch.ops.antiphon_cpu.int4_product.default if self.native
+                        else torch.ops.aten._weight_int4pack_mm_for_cpu.default)
+
     def __call__(self, x: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
         if self.native:
-            return torch.ops.antiphon_cpu.int4_product(x, self.codes, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16) if rounded is None else rounded,
-                                                          self.codes, GROUP_SIZE, self.scales).float()
+            return self._kernel(x, self.codes, self.scales)
+        return self._kernel(x.to(torch.bfloat16) if rounded is None else rounded, self.codes, GROUP_SIZE,
+                            self.scales).float()
 
     @property
     def max_rows(self) -> int:
-        """The most rows this kernel takes; more take the layer's bfloat16 copy."""
+        """The most rows this kernel takes; more take the layer's bfloat16 copy. Read at each
+        call (benchmarks/perplexity.py raises the limits)."""
         return MAX_NATIVE_INT4_ROWS if self.native else MAX_INT4_ROWS
-
-    @property
-    def out_features(self) -> int:
-        return self.codes.shape[0] * 16 if self.native else self.codes.shape[0]
 
     @staticmethod
     def concatenate(products: list["Int4Product"]) -> "Int4Product":
@@ -219,8 +225,10 @@ class Int4Linear(torch.nn.Module):
         # (~1 us), and these are read ~200 times per token. The module lives on the CPU only.
         self.int4 = quantized.product()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        # Batches run on the weights the kernel uses (its rounded scales applied), so a
-        # request's numbers move only by rounding when its step grows past `int4.max_rows`.
+        # Batches run on the weights the kernel uses (its rounded scales applied), so when a
+        # request's step grows past `int4.max_rows` only the rounding of its input changes:
+        # from 8 bits per group to bfloat16 with the native kernel (a greedy answer may then
+        # differ from the one a smaller step gives), bfloat16 either way with torch's.
         dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
         dense.weight.data = quantized.native_weights() if self.int4.native else quantized.kernel_weights()
         self.batched = PackedLinear(dense, torch.bfloat16)

@@ -16,9 +16,10 @@ returned get float32 logits for the whole row instead (`full_precision_rows`): a
 a mask the winner can be anywhere in the vocabulary.
 
 A step whose rows are all plain greedy (`greedy_step`: argmax, nothing else read) of up to
-MAX_INT4_ROWS rows needs only each row's winner: there the candidates come from a 4-bit copy
-of the matrix (cpu_int4.py's layout, a quarter of bfloat16's bytes: 1.6 vs 4.0 ms for the
-default model's one row with caches flushed), the other logits are set to -inf, and the winner
+the 4-bit kernel's max_rows (cpu_int4.py: 8 or 32) needs only each row's winner: there the
+candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: with torch's
+kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits
+are set to -inf, and the winner
 is the float32 maximum over the candidates. It differs from the bfloat16 path's only if the
 float32 winner is not among the 4-bit copy's 32 highest logits: at none of the 865 positions
 of benchmarks/data/english.txt on the default model (tests/test_cpu_int4.py). The copy is lossy
@@ -32,7 +33,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_int4 import Int4Product, can_quantize, quantize_int4
+from workers.cpu_int4 import Int4Product, can_quantize, native_kernel_available, quantize_int4
 from workers.cpu_packed_linear import PackedLinear
 
 # Covers greedy choices with a wide margin; more costs a larger gather per row.
@@ -98,23 +99,31 @@ class _Int4Selector:
     CHUNK_ROWS = 4096
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.product = Int4Product.concatenate([quantize_int4(weight[start:start + self.CHUNK_ROWS]).product()
-                                                for start in range(0, weight.shape[0], self.CHUNK_ROWS)])
+        # It only picks candidates, so it takes the native kernel only if that is loaded already
+        # (a bf16-mode model does not wait for the build), and one kernel for the whole matrix.
+        self.product = self._quantize(weight, native_kernel_available(wait=False))
         self.out_features = weight.shape[0]
+
+    def _quantize(self, weight: torch.Tensor, native: bool) -> Int4Product:
+        """Chunk by chunk; `native` falls back to torch's kernel as a whole if a chunk's scales
+        do not fit float16 (the result's `native` says which)."""
+        products = []
+        for start in range(0, weight.shape[0], self.CHUNK_ROWS):
+            products.append(quantize_int4(weight[start:start + self.CHUNK_ROWS]).product(native))
+            if products[-1].native != native:
+                return self._quantize(weight, False)
+        return Int4Product.concatenate(products)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return self.product(rows)
 
     @classmethod
     def of(cls, linear: torch.nn.Linear) -> "_Int4Selector | None":
-        """None where the 4-bit kernels do not take the matrix: a shape off their tiles,
-        non-finite weights, or chunks whose scales fit float16 only in part (two kernels)."""
+        """None where the 4-bit kernels do not take the matrix: a shape off their tiles, or
+        non-finite weights."""
         if not can_quantize(linear) or not torch.isfinite(linear.weight).all():
             return None
-        try:
-            return cls(linear.weight)
-        except ValueError:
-            return None
+        return cls(linear.weight)
 
 
 @contextlib.contextmanager

@@ -6,11 +6,14 @@ of the step. The C++ stack makes the same ATen calls in the same order (the rota
 as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
 interpreter between them.
 
-It is compiled here, against the installed torch, on first use (~15-30 s with two cores; g++
+The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py).
+
+It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
 background thread waits for: until it is ready, and wherever it cannot be built, steps take
-the Python forward, which computes the same. Later starts load the built library in well
-under a second. ANTIPHON_NATIVE_DECODE=0 turns it off.
+the Python forward, which computes the same. A model with 4-bit layers waits for it at load
+instead (int4_product_available: a layer's kernel is chosen once). Later starts load the
+built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -50,8 +54,13 @@ KEPT_LIBRARIES = 4
 # Product kinds, as decode_stack.cpp's ProductKind: 4-bit with torch's kernel or the native one
 # (cpu_int4.Int4Product), oneDNN-packed bfloat16 or float32.
 INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT = 0, 1, 2, 3
-# How long loading a 4-bit model waits for the library (a first build takes ~15-40 s).
-INT4_BUILD_WAIT_SECONDS = 600
+# How long loading a 4-bit model waits for the library (a first build takes ~15-40 s here),
+# well inside the engine's worker start timeout; past it, torch's kernel serves.
+INT4_BUILD_WAIT_SECONDS = 240
+# A build running longer is killed (with its compilers) and counts as failed.
+BUILD_TIMEOUT_SECONDS = 900
+# What the native 4-bit product needs (int4_product.cpp), as /proc/cpuinfo names the flags.
+INT4_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not started"}  # -> "building" -> "ready" | "failed"
@@ -100,25 +109,65 @@ def is_ready() -> bool:
     return _state["status"] == "ready"
 
 
-def int4_product_available() -> bool:
-    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): the library loads
-    and the CPU has AVX-512 VNNI. A layer picks its kernel once, when the model loads, so that
-    its numbers never change while it serves; so the first call waits for the build (a first
-    start compiles it, once per machine and version), and the answer holds for the process."""
-    if "int4_product" not in _state:
-        if enabled() and not is_ready():
-            logger.info("4-bit layers wait for the native CPU kernels (compiled on the first start only, ~15-40 s)")
-        ready = wait_until_built(INT4_BUILD_WAIT_SECONDS)
-        _state["int4_product"] = ready and bool(torch.ops.antiphon_cpu.int4_product_supported())
+def int4_product_available(wait: bool = True) -> bool:
+    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): the CPU has AVX-512
+    VNNI, the library loads, and the process holds one OpenMP runtime. A layer picks its
+    kernel once, when the model loads, so that its numbers never change while it serves; so
+    the first call waits for the build (a first start compiles it, once per machine and
+    version), and its answer holds for the process. `wait=False` (for parts that may take
+    either kernel, like the greedy candidates' copy): the answer already given, else whether
+    the library is loaded now, without waiting or deciding."""
+    if "int4_product" in _state:
+        return bool(_state["int4_product"])
+    if not enabled() or not INT4_CPU_FLAGS <= _cpu_flags():
+        _state["int4_product"] = False
+        return False
+    if not wait:
+        return is_ready() and _int4_product_usable()
+    if not is_ready() and not library_path().exists():
+        logger.info("the 4-bit layers wait for the native CPU kernels: their kernel is chosen once, at load")
+    _state["int4_product"] = wait_until_built(INT4_BUILD_WAIT_SECONDS) and _int4_product_usable()
     return bool(_state["int4_product"])
+
+
+def _int4_product_usable() -> bool:
+    if not torch.ops.antiphon_cpu.int4_product_supported():
+        return False
+    # The library links libgomp by its soname and so shares the one torch loaded; a torch built
+    # with another OpenMP runtime would give the kernel threads of its own beside torch's.
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:
+        logger.warning("two OpenMP runtimes loaded (%s): 4-bit layers use torch's kernel", ", ".join(sorted(runtimes)))
+        return False
+    return True
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _openmp_runtimes() -> set[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return set()
+    return {path for path in paths if any(name in os.path.basename(path) for name in ("libgomp", "libiomp", "libomp"))}
 
 
 def _build() -> None:
     try:
         library = library_path()
         if not library.exists():
-            logger.info("compiling the C++ decode step for this CPU in the background (first start only, "
-                        "~15-30 s); until it is ready, decode steps run the Python forward")
+            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product) for this CPU "
+                        "(first start only, ~15-40 s)")
             _run_builder(library)
         try:
             torch.ops.load_library(str(library))
@@ -128,11 +177,12 @@ def _build() -> None:
             _run_builder(library)
             torch.ops.load_library(str(library))
         _state["status"] = "ready"
-        logger.info("native CPU decode steps ready (%s)", library.name)
+        logger.info("native CPU kernels ready (%s)", library.name)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: the Python forward serves
         _state["status"] = "failed"
         _state["error"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("native CPU decode steps unavailable (%s); decode steps run the Python forward, slower",
+        logger.warning("native CPU kernels unavailable (%s); decode steps run the Python forward and 4-bit "
+                       "layers torch's kernel, slower",
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
     finally:
         _built.set()
@@ -148,10 +198,17 @@ def _run_builder(library: Path) -> None:
     env = dict(os.environ)
     # torch finds ninja on PATH: the one pip installed sits beside this interpreter.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], env=env, start_new_session=True, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"building the C++ decode step failed:\n{done.stderr.strip()[-4000:]}")
+    builder = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = builder.communicate(timeout=BUILD_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        # Its session holds ninja and the compilers too.
+        os.killpg(builder.pid, signal.SIGKILL)
+        builder.communicate()
+        raise RuntimeError(f"building the native CPU kernels took over {BUILD_TIMEOUT_SECONDS} s") from None
+    if builder.returncode != 0:
+        raise RuntimeError(f"building the native CPU kernels failed:\n{stderr.strip()[-4000:]}")
 
 
 def build_library(library: str | Path, compile_into=None) -> None:

@@ -111,7 +111,7 @@ class DecodeStack : public torch::CustomClassHolder {
                   std::vector<int64_t> sizes) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
     ProductGroup& group = layers_.back().groups.back();
-    TORCH_CHECK(sizes.size() == group.parts.size(), "one size per part");
+    TORCH_CHECK(!group.parts.empty() && sizes.size() == group.parts.size(), "one size per part");
     const int64_t kind = group.parts.front().kind;
     for (const Product& p : group.parts) TORCH_CHECK(is_int4(p.kind) && p.kind == kind, "fused parts are 4-bit, one kernel");
     group.fused = Product{kind, std::move(codes), std::move(scales), at::Tensor(), std::move(bias)};

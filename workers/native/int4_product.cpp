@@ -8,10 +8,13 @@
 // integer sum is then scaled in float. That costs about a third of the arithmetic of
 // converting every weight to bfloat16 as torch's own 4-bit kernel does, and keeps the weights'
 // float16 scales and minimums exact (GGUF's Q4_1 stores them as float16; torch's kernel rounds
-// them to bfloat16). Measured against that kernel over the default model's 210 layers, read
-// from memory: 1.1-1.3x for one row, 1.6-1.9x for eight.
+// them to bfloat16). Measured against that kernel over 210 layers of the default model's
+// shapes, read from memory, two threads: 1.1-1.3x for one row, 1.6-1.9x for eight.
 //
-// Layout (cpu_int4.Int4Weight.vnni_layout), for N outputs and K inputs, in tiles of 16
+// x86-64 only (AVX-512 intrinsics, compiled for that target per function, so the library
+// still loads on CPUs without it); elsewhere int4_product_supported() is false.
+//
+// Layout (cpu_int4.Int4Weight.native_layout), for N outputs and K inputs, in tiles of 16
 // outputs and groups of 32 inputs:
 //   codes  uint8 [N/16, K/32, 4, 64]: in pair p of a group, byte 4*j + i holds output j's
 //          code for input 8p + i in its low nibble and for input 8p + 4 + i in its high one,
@@ -26,12 +29,19 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "int4_product.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ANTIPHON_INT4_PRODUCT 1
+#include <immintrin.h>
+#endif
+
+#ifdef ANTIPHON_INT4_PRODUCT
 namespace {
 
 constexpr int64_t kGroup = 32;  // inputs per group
@@ -49,12 +59,17 @@ VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* 
       const float* in = x + r * k + g * kGroup;
       const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      // A group of zeros, or one so small that 127 / amax overflows, gets codes 0 (its share
+      // of the output is below float32's resolution anyway).
+      const float ratio = 127.0f / amax;
+      const float inverse = amax > 0.0f && std::isfinite(ratio) ? ratio : 0.0f;
       steps[r * groups + g] = amax / 127.0f;
       sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-      // Round to nearest even (the default rounding mode), saturating to int8.
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+      // Round to nearest, ties to even (explicitly, whatever the thread's rounding mode),
+      // saturating to int8.
+      constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)), kNearest);
+      const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)), kNearest);
       int8_t* out = q + r * k + g * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qb));
@@ -85,7 +100,8 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
       const __m512i first = _mm512_and_si512(packed, low_nibbles);
       const __m512i second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
       for (int r = 0; r < ROWS; ++r) {
-        const int32_t* inputs = reinterpret_cast<const int32_t*>(q + (row + r) * k + g * kGroup + p * 8);
+        int32_t inputs[2];  // four int8 inputs each, broadcast to every lane
+        std::memcpy(inputs, q + (row + r) * k + g * kGroup + p * 8, sizeof(inputs));
         __m512i& chain = sum[r][p % kChains];
         chain = _mm512_dpbusd_epi32(chain, first, _mm512_set1_epi32(inputs[0]));
         chain = _mm512_dpbusd_epi32(chain, second, _mm512_set1_epi32(inputs[1]));
@@ -111,7 +127,8 @@ VNNI_TARGET void product_tiles(const int8_t* q, const float* steps, const float*
                                const uint16_t* scales_and_minimums, float* y, int64_t rows, int64_t k, int64_t n,
                                int64_t first_tile, int64_t last_tile) {
   for (int64_t tile = first_tile; tile < last_tile; ++tile) {
-    // Rows in passes of up to four: the tile's codes are re-read from L1, not memory.
+    // Rows in passes of up to four: the tile's codes (K / 2 bytes) are re-read from cache, not
+    // memory.
     for (int64_t row = 0; row < rows; row += kMaxRowsPerPass) {
       switch (std::min(rows - row, kMaxRowsPerPass)) {
         case 1: product_tile<1>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
@@ -124,17 +141,23 @@ VNNI_TARGET void product_tiles(const int8_t* q, const float* steps, const float*
 }
 
 }  // namespace
+#endif  // ANTIPHON_INT4_PRODUCT
 
 bool int4_product_supported() {
+#ifdef ANTIPHON_INT4_PRODUCT
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
          __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
 }
 
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_minimums) {
   static const bool supported = int4_product_supported();
   TORCH_CHECK(supported, "this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(x.is_cpu() && codes.is_cpu() && scales_and_minimums.is_cpu(), "the 4-bit product runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, inputs] float32");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 4 &&
                   codes.size(3) == 64,
@@ -151,6 +174,7 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor sums = at::empty({rows, groups}, input.options());
   at::Tensor y = at::empty({rows, n}, input.options());
   if (rows == 0) return y;
+#ifdef ANTIPHON_INT4_PRODUCT
   quantize_rows(input.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), steps.data_ptr<float>(),
                 sums.data_ptr<float>());
   const int8_t* q_data = q.data_ptr<int8_t>();
@@ -162,6 +186,7 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
   at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
     product_tiles(q_data, step_data, sum_data, code_data, scale_data, out, rows, k, n, first, last);
   });
+#endif
   return y;
 }
 
