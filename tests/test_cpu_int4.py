@@ -43,12 +43,12 @@ def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.T
     """What workers/native/int4_product.cpp computes, in float64 after its own rounding of the
     input: per row and group of 32 inputs, integer codes round(x * (127 / max|x|)) (float32
     arithmetic, ties to even) at a step of max|x| / 127, times the 4-bit codes and float16
-    scales, plus the float16 minimums times the group's plain sum of x."""
+    scales, plus the float16 minimums times the quantized group's sum, step * sum(codes)."""
     rows, k = x.shape
     n = quantized.codes.shape[0]
     groups = x.view(rows, k // GROUP_SIZE, GROUP_SIZE)
     largest = groups.abs().amax(-1, keepdim=True)
-    ratio = 127 / largest
+    ratio = torch.full_like(largest, 127.0) / largest  # one division, as there (127 / t is 127 * (1 / t))
     inverse = torch.where((largest > 0) & torch.isfinite(ratio), ratio, torch.zeros_like(largest))
     x_codes = torch.round(groups * inverse).double()
     steps = (largest / 127).double().squeeze(-1)  # [rows, G]
@@ -56,7 +56,7 @@ def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.T
     dots = torch.einsum("rgi,ngi->rng", x_codes, w_codes)  # exact integers
     scales = quantized.scales.half().double()  # [n, G]
     minimums = quantized.minimums.half().double()
-    sums = groups.double().sum(-1)  # [rows, G]
+    sums = (x_codes.sum(-1).float() * (largest / 127).squeeze(-1)).double()  # [rows, G], float32 there
     return (dots * scales * steps.unsqueeze(1)).sum(-1) + (minimums * sums.unsqueeze(1)).sum(-1)
 
 
@@ -401,3 +401,31 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
         winners = torch.cat([layer(rows).argmax(-1) for rows in hidden.split(layer.selector.product.max_rows)])
     assert len(winners) > 700
     assert torch.equal(winners, exact_winners)
+
+
+def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_kernel, monkeypatch):
+    """The bound `auto` promises (cpu_linear.AUTO_PERPLEXITY_BOUND of exact mode's) on
+    benchmarks/data/english.txt, each 4-bit kernel scoring whole windows, as one stream's
+    decode steps use it (a native kernel whose minimums' term took the plain input sum stood
+    at 1.027x)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import perplexity
+
+    from workers.cpu_linear import AUTO_PERPLEXITY_BOUND
+
+    monkeypatch.setattr(cpu_int4, "MAX_INT4_ROWS", 512)
+    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 512)
+    scores = {}
+    for mode in ("none", "auto"):
+        monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+        model, tokenizer = perplexity.load_text_model(mode)
+        if mode == "auto":
+            layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+            assert len(layers) == 210 and all(layer.int4.native == int4_kernel for layer in layers)
+        ids = tokenizer(perplexity.TEXT.read_text())["input_ids"]
+        scores[mode] = perplexity.perplexity(model, ids, 512)
+    assert 20 < scores["none"] < 40
+    assert scores["auto"] / scores["none"] <= AUTO_PERPLEXITY_BOUND, scores

@@ -50,8 +50,12 @@ constexpr int64_t kMaxRowsPerPass = 4;
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
-// Per row and group of 32 inputs: int8 codes q (x ~ q * step), the step, and the plain sum of
-// the group's inputs (for the minimums' term, which needs no quantized input).
+// Per row and group of 32 inputs: int8 codes q (x ~ q * step), the step, and the sum of the
+// quantized inputs, step * sum(q), for the minimums' term. Not the plain sum of x: with it,
+// the input's rounding error would multiply the codes' part of each weight alone (code *
+// scale, 0..15 steps, never centred) instead of the whole weight (code * scale + minimum,
+// about centred), which costs more: the default model's perplexity 27.76 against 26.94 (as
+// llama.cpp's Q8_1 does, for the same reason).
 VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* steps, float* sums) {
   const int64_t groups = k / kGroup;
   for (int64_t r = 0; r < rows; ++r) {
@@ -63,13 +67,14 @@ VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* 
       // of the output is below float32's resolution anyway).
       const float ratio = 127.0f / amax;
       const float inverse = amax > 0.0f && std::isfinite(ratio) ? ratio : 0.0f;
-      steps[r * groups + g] = amax / 127.0f;
-      sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-      // Round to nearest, ties to even (explicitly, whatever the thread's rounding mode),
-      // saturating to int8.
+      const float step = amax / 127.0f;
+      // Round to nearest, ties to even (explicitly, whatever the thread's rounding mode); the
+      // codes lie in -127..127, so the int8 stores below never saturate.
       constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)), kNearest);
       const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)), kNearest);
+      steps[r * groups + g] = step;
+      sums[r * groups + g] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
       int8_t* out = q + r * k + g * kGroup;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qb));
