@@ -299,11 +299,12 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
     print(f"| startup (s; model already converted) | " + " | ".join(cell(startup.get(n)) for n in present) + " |")
     cold_engine, cold_native = fresh_process["cold"]
     warm_engine, warm_native = fresh_process["warm"]
-    print(f"\nStartup of the default mode in a fresh process, imports included (`LLM()`), then until its C++ "
-          f"decode stack is ready (compiled on a background thread meanwhile; steps run the Python forward "
-          f"until then): cold cache (an empty $ANTIPHON_CACHE: the model is converted from the package's GGUF "
-          f"file and the stack compiled) {cold_engine:.1f} s, stack ready at {cold_native:.1f} s; warm cache "
-          f"{warm_engine:.1f} s, stack ready at {warm_native:.1f} s.")
+    print(f"\nStartup of the default mode in a fresh process, imports included (`LLM()`), then until its "
+          f"native CPU kernels are loaded (a model with 4-bit layers, like the default one, waits for them "
+          f"inside `LLM()`; others build them on a background thread and run the Python forward meanwhile): "
+          f"cold cache (an empty $ANTIPHON_CACHE: the model is converted from the package's GGUF file and the "
+          f"kernels compiled) {cold_engine:.1f} s, kernels ready at {cold_native:.1f} s; warm cache "
+          f"{warm_engine:.1f} s, kernels ready at {warm_native:.1f} s.")
     exact = med("exact", "decode")
     print(f"\nfloat32 bandwidth limit: {bandwidth:.1f} GB/s read (median of the rounds) / "
           f"{bytes_per_token / 1e6:.0f} MB per token = "

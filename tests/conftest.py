@@ -28,6 +28,20 @@ def native_decode_stack():
     native_decode.wait_until_built(timeout=900)
 
 
+@pytest.fixture(autouse=True)
+def int4_kernel_decision():
+    """The process's 4-bit kernel decision (native_decode.int4_product_available) as it was before
+    each test: a test that turns the native library off must not decide it for the tests after."""
+    from workers import native_decode
+
+    saved = native_decode._state.get("int4_product")
+    yield
+    if saved is None:
+        native_decode._state.pop("int4_product", None)
+    else:
+        native_decode._state["int4_product"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny-models")

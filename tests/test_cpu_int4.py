@@ -35,7 +35,6 @@ def int4_kernel(request, monkeypatch) -> bool:
     if native and not native_decode.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
     monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
-    monkeypatch.setattr(cpu_output_layer, "native_kernel_available", lambda wait=True: native)
     return native
 
 
@@ -82,6 +81,29 @@ def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
     assert torch.equal(fused(x), torch.cat([out, other(x)], dim=1))
     views = fused.column_views([48, 32])
     assert [tuple(v.shape[:1]) for v in views] == [(3,), (2,)] and views[1].data_ptr() != views[0].data_ptr()
+
+
+def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_does_its_whole_copy(monkeypatch):
+    """Zero and constant groups (a scale no code uses, rounding to 0) keep the native layout;
+    a group past float16's range does not, and an output matrix with one such chunk picks its
+    candidates on torch's kernel as a whole (one kernel per copy)."""
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    weight = linear_on_grid(64, 32).weight.detach().clone()
+    weight[0, :32] = 0
+    weight[1, 32:] = 0.3
+    quantized = quantize_int4(weight)
+    product = quantized.product()
+    assert product.native
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(product(x).double(), native_reference(x, quantized), rtol=1e-5, atol=1e-5)
+    huge = linear_on_grid(64, 32, seed=2).weight.detach() * 1e7  # steps of ~1e4-1e5: past float16's range
+    assert quantize_int4(huge).native_layout() is None and not quantize_int4(huge).product().native
+    monkeypatch.setattr(cpu_output_layer._Int4Selector, "CHUNK_ROWS", 32)  # the first chunk fits, the second not
+    assert cpu_output_layer._Int4Selector(torch.randn(64, 64)).product.native
+    selector = cpu_output_layer._Int4Selector(torch.cat([torch.randn(32, 64) * 0.05, huge]))
+    assert not selector.product.native and selector.product.max_rows == cpu_int4.MAX_INT4_ROWS
+    assert selector(torch.randn(2, 64)).shape == (2, 64)
 
 
 def test_the_native_kernel_checks_its_operands():
@@ -367,7 +389,7 @@ def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logi
     assert (logits == float("-inf")).sum(-1).tolist() == [512 - EXACT_CANDIDATES] * rows
 
 
-def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatch):
+def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatch, int4_kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 512, bias=False)
     layer = RescoredOutputLayer(linear)
@@ -408,10 +430,9 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
     benchmarks/data/english.txt, each 4-bit kernel scoring whole windows, as one stream's
     decode steps use it (a native kernel whose minimums' term took the plain input sum stood
     at 1.027x)."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     import perplexity
 
     from workers.cpu_linear import AUTO_PERPLEXITY_BOUND

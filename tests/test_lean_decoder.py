@@ -85,7 +85,7 @@ def generate_every_kind_of_step(llm: LLM) -> None:
 
 def quantization(mode: str, monkeypatch) -> str:
     """The --quantization of a test mode: "int4" has 4-bit layers on the native kernel where
-    this CPU has AVX-512 VNNI (asserted by the caller), up to 10 rows so that the 12-stream
+    this CPU has AVX-512 VNNI (assert_int4_kernel), up to 10 rows so that the 12-stream
     steps take the batched copy and 9-10-row steps tell the two kernels' limits apart;
     "int4-torch" on torch's kernel (up to 8)."""
     if mode == "int4":
@@ -96,9 +96,15 @@ def quantization(mode: str, monkeypatch) -> str:
     return mode
 
 
-def int4_kinds(runner) -> set[int]:
-    return {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts
-            if part[0] in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT)}
+def assert_int4_kernel(runner, mode: str) -> None:
+    """The 4-bit layers of an "int4" mode run the kernel it names: the native one wherever this
+    CPU has it, torch's for "int4-torch"."""
+    if not mode.startswith("int4"):
+        return
+    native = mode == "int4" and native_decode.int4_product_available()
+    kinds = {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts
+             if part[0] in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT)}
+    assert kinds == {native_decode.NATIVE_INT4_PRODUCT if native else native_decode.INT4_PRODUCT}
 
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch", "int8"])
@@ -108,6 +114,7 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
     # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
     llm = LLM(str(tiny_checkpoints[arch]), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
               max_num_batched_tokens=24)
+    assert_int4_kernel(llm.engine.core.executor.runner, mode)
     steps = run_both_forwards(monkeypatch, llm)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -130,10 +137,7 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     runner = llm.engine.core.executor.runner
     fused = [group.fused is not None for layer in runner.lean.layers for group in (layer.qkv, layer.gate_up)]
     assert all(fused) if mode.startswith("int4") else not any(fused)
-    if mode == "int4-torch" or (mode == "int4" and not native_decode.int4_product_available()):
-        assert int4_kinds(runner) == {native_decode.INT4_PRODUCT}
-    elif mode == "int4":
-        assert int4_kinds(runner) == {native_decode.NATIVE_INT4_PRODUCT}
+    assert_int4_kernel(runner, mode)
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []

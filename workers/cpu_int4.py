@@ -8,9 +8,9 @@ is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale an
 - on CPUs with AVX-512 VNNI, Antiphon's own (workers/native/int4_product.cpp, built with the
   C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
   integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). Over 210
-  layers of the default model's shapes, two threads: 1.1-1.3x torch's kernel for one row,
-  1.6-1.9x for eight. Perplexity of the default model 26.94, against 26.99 with torch's
-  kernel (float32: 27.03);
+  layers of the default model's shapes, two threads, timed in one C++ loop: 1.1-1.3x
+  torch's kernel for one row, 1.6-1.9x for eight. Perplexity of the default model 27.09,
+  against 26.99 with torch's kernel (float32: 27.03);
 - elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
   scales and zeros, float accumulation).
 
@@ -77,9 +77,11 @@ class Int4Weight:
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(codes, scales and minimums) in the layout of workers/native/int4_product.cpp:
         codes uint8 [N/16, K/32, 4, 64] (two codes a byte, in vpdpbusd's operand order) and
-        float16 [N/16, K/32, 2, 16]. Packs of row blocks stack along dim 0. None where a
-        scale or minimum does not fit float16 to its precision (2^-11 relative: not finite, or
-        subnormal; GGUF's Q4_1 values are float16 already)."""
+        float16 [N/16, K/32, 2, 16]. Packs of row blocks stack along dim 0. None where float16
+        scales and minimums move a weight by more than 2^-8 of its group's largest: values past
+        float16's range or deep in its subnormals. In its normal range the rounding stays under
+        ~2^-10 (torch's kernel's bfloat16 scales and zeros: ~2^-8); GGUF's Q4_1 values are
+        float16 already, and a constant group's scale, which no code uses, may round to 0."""
         n, k = self.codes.shape
         tiles, groups = n // 16, k // GROUP_SIZE
         if n % 16:
@@ -88,11 +90,12 @@ class Int4Weight:
         codes = (self.codes.to(torch.uint8).view(tiles, 16, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
                  .reshape(tiles, groups, 4, 2, 64))
         packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).contiguous()
-        exact = torch.stack([self.scales, self.minimums]).view(2, tiles, 16, groups).permute(1, 3, 0, 2)
-        scales_and_minimums = exact.to(torch.float16).contiguous()
-        error = (scales_and_minimums.float() - exact).abs()
-        if not bool((error <= exact.abs() * 2.0 ** -11).all()):
+        exact = self.dequantize().view(n, groups, GROUP_SIZE)
+        error = (self.native_weights().view(n, groups, GROUP_SIZE) - exact).abs().nan_to_num(float("inf"))
+        if not bool((error <= exact.abs().amax(-1, keepdim=True) * 2.0 ** -8).all()):
             return None
+        scales_and_minimums = (torch.stack([self.scales, self.minimums]).view(2, tiles, 16, groups)
+                               .permute(1, 3, 0, 2).to(torch.float16).contiguous())
         return packed, scales_and_minimums
 
     def native_weights(self) -> torch.Tensor:
@@ -143,6 +146,8 @@ class Int4Product:
     scales: torch.Tensor  # native: scales and minimums; torch's: scales and zeros
 
     def __post_init__(self) -> None:
+        if self.native and not hasattr(torch.ops.antiphon_cpu, "int4_product"):
+            raise RuntimeError("the native 4-bit kernel is not loaded (see native_decode.int4_product_available)")
         # Resolved once: this runs ~200 times per decoded token.
         self._kernel = (torch.ops.antiphon_cpu.int4_product.default if self.native
                         else torch.ops.aten._weight_int4pack_mm_for_cpu.default)
@@ -172,6 +177,7 @@ class Int4Product:
     def column_views(self, sizes: list[int]) -> list[torch.Tensor]:
         """Views of the codes holding each consecutive block of `sizes` outputs."""
         step = 16 if self.native else 1
+        assert all(size % step == 0 for size in sizes), "the native layout holds tiles of 16 outputs"
         views, offset = [], 0
         for size in sizes:
             views.append(self.codes[offset // step:(offset + size) // step])
@@ -225,10 +231,11 @@ class Int4Linear(torch.nn.Module):
         # (~1 us), and these are read ~200 times per token. The module lives on the CPU only.
         self.int4 = quantized.product()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        # Batches run on the weights the kernel uses (its rounded scales applied), so when a
-        # request's step grows past `int4.max_rows` only the rounding of its input changes:
-        # from 8 bits per group to bfloat16 with the native kernel (a greedy answer may then
-        # differ from the one a smaller step gives), bfloat16 either way with torch's.
+        # Batches run on the weights the kernel uses (its rounded scales applied), rounded to
+        # bfloat16, so when a request's step grows past `int4.max_rows` its numbers move by
+        # rounding: of the weights (to bfloat16; torch's kernel's are already) and, with the
+        # native kernel, of its input (from 8 bits per group to bfloat16). A greedy answer
+        # may then differ from the one a smaller step gives.
         dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
         dense.weight.data = quantized.native_weights() if self.int4.native else quantized.kernel_weights()
         self.batched = PackedLinear(dense, torch.bfloat16)

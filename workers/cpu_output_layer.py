@@ -33,7 +33,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_int4 import Int4Product, can_quantize, native_kernel_available, quantize_int4
+from workers import cpu_int4
+from workers.cpu_int4 import Int4Product, can_quantize, quantize_int4
 from workers.cpu_packed_linear import PackedLinear
 
 # Covers greedy choices with a wide margin; more costs a larger gather per row.
@@ -101,7 +102,7 @@ class _Int4Selector:
     def __init__(self, weight: torch.Tensor) -> None:
         # It only picks candidates, so it takes the native kernel only if that is loaded already
         # (a bf16-mode model does not wait for the build), and one kernel for the whole matrix.
-        self.product = self._quantize(weight, native_kernel_available(wait=False))
+        self.product = self._quantize(weight, cpu_int4.native_kernel_available(wait=False))
         self.out_features = weight.shape[0]
 
     def _quantize(self, weight: torch.Tensor, native: bool) -> Int4Product:

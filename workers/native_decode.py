@@ -11,13 +11,14 @@ The same library holds the native 4-bit product (native/int4_product.cpp, cpu_in
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
 background thread waits for: until it is ready, and wherever it cannot be built, steps take
-the Python forward, which computes the same. A model with 4-bit layers waits for it at load
-instead (int4_product_available: a layer's kernel is chosen once). Later starts load the
+the Python forward, which computes the same. A model with 4-bit layers on a CPU with AVX-512
+VNNI waits for it at load instead (int4_product_available: a layer's kernel is chosen once). Later starts load the
 built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -120,7 +121,6 @@ def int4_product_available(wait: bool = True) -> bool:
     if "int4_product" in _state:
         return bool(_state["int4_product"])
     if not enabled() or not INT4_CPU_FLAGS <= _cpu_flags():
-        _state["int4_product"] = False
         return False
     if not wait:
         return is_ready() and _int4_product_usable()
@@ -154,12 +154,20 @@ def _cpu_flags() -> set[str]:
 
 
 def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtimes mapped into this process, one path per file (device and inode)."""
+    runtimes: dict[tuple[str, str], str] = {}
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+            for line in maps:
+                fields = line.split(maxsplit=5)  # address perms offset device inode path
+                if len(fields) < 6:
+                    continue
+                path = fields[5].strip().removesuffix(" (deleted)")
+                if any(name in os.path.basename(path) for name in ("libgomp", "libiomp", "libomp")):
+                    runtimes.setdefault((fields[3], fields[4]), path)
     except OSError:
         return set()
-    return {path for path in paths if any(name in os.path.basename(path) for name in ("libgomp", "libiomp", "libomp"))}
+    return set(runtimes.values())
 
 
 def _build() -> None:
@@ -204,8 +212,10 @@ def _run_builder(library: Path) -> None:
         _, stderr = builder.communicate(timeout=BUILD_TIMEOUT_SECONDS)
     except subprocess.TimeoutExpired:
         # Its session holds ninja and the compilers too.
-        os.killpg(builder.pid, signal.SIGKILL)
-        builder.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(builder.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            builder.communicate(timeout=30)
         raise RuntimeError(f"building the native CPU kernels took over {BUILD_TIMEOUT_SECONDS} s") from None
     if builder.returncode != 0:
         raise RuntimeError(f"building the native CPU kernels failed:\n{stderr.strip()[-4000:]}")

@@ -41,11 +41,14 @@
 #include <immintrin.h>
 #endif
 
+namespace {
+constexpr int64_t kGroup = 32;  // inputs per group
+constexpr int64_t kTile = 16;   // outputs per tile: one 512-bit register of int32 lanes
+}  // namespace
+
 #ifdef ANTIPHON_INT4_PRODUCT
 namespace {
 
-constexpr int64_t kGroup = 32;  // inputs per group
-constexpr int64_t kTile = 16;   // outputs per tile: one 512-bit register of int32 lanes
 constexpr int64_t kMaxRowsPerPass = 4;
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
