@@ -450,3 +450,20 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
         scores[mode] = perplexity.perplexity(model, ids, 512)
     assert 20 < scores["none"] < 40
     assert scores["auto"] / scores["none"] <= AUTO_PERPLEXITY_BOUND, scores
+
+
+def test_the_kernel_benchmark_runs_and_prints_each_kernels_row():
+    """benchmarks/int4_kernels.py, whose table the README quotes, still runs (one short pass)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "int4_kernels.py"
+    done = subprocess.run([sys.executable, str(script), "--rows", "1", "3", "--reps", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    header, _, *rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    kinds = (["native"] if native_decode.int4_product_available() else []) + ["torch", "bf16"]
+    assert header.split(" | ")[1:1 + len(kinds)] == kinds
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]
+    assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:1 + len(kinds)])

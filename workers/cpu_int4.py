@@ -41,10 +41,10 @@ from workers.cpu_packed_linear import PackedLinear
 
 GROUP_SIZE = 32
 MAX_CODE = 15
-# Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. torch's kernel
-# against oneDNN's bfloat16 product (see above): 1 row 3x, 8 rows 1.5x, 12-16 even. The native
-# one over the default model's 210 layers: 5.4x at 1 row, 2.4x at 8, 1.5x at 16, 1.2x at 32,
-# 1.04x at 64 (the copy's 16-bit weights are four times the bytes).
+# Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. Against oneDNN's
+# bfloat16 product over the default model's layers (benchmarks/int4_kernels.py): torch's kernel
+# 3.2x at 1 row, 1.25x at 8, 0.85x at 16; the native one 5.1x, 2.2x, 1.45x, 1.16x at 32 and
+# 0.95x at 64 (the copy's 16-bit weights are four times the bytes).
 MAX_INT4_ROWS = 8
 MAX_NATIVE_INT4_ROWS = 32
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
