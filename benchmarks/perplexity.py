@@ -2,8 +2,7 @@
 
 The text (benchmarks/data/english.txt, written for this repo) is scored in windows of
 `--window` tokens; each mode converts the same float32 checkpoint with the engine's own code
-(workers/model_loader.prepare_cpu_layers: linear layers and norms), so the numbers say what a
-mode costs in quality.
+(workers/cpu_linear.py), so the numbers say what a mode costs in quality.
 
     python benchmarks/perplexity.py
 """

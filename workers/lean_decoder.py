@@ -141,11 +141,9 @@ class _Layer:
         # What the C++ stack needs (native_decode.py): both norms fused, every product of a
         # kind it computes, SiLU, no window.
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        # ((weight, eps) of each, whether both are one-pass); None unless both are fused, alike.
-        kinds = {type(n) for n in norms}
-        kind = kinds.pop() if len(kinds) == 1 else None
-        self.native_norms = ((*((n.weight, n.variance_epsilon) for n in norms), kind is NativeRMSNorm)
-                             if kind is not None and issubclass(kind, FusedRMSNorm) else None)
+        one_pass = {isinstance(n, NativeRMSNorm) for n in norms}
+        self.native_norms = ((*((n.weight, n.variance_epsilon) for n in norms), one_pass.pop())
+                             if all(isinstance(n, FusedRMSNorm) for n in norms) and len(one_pass) == 1 else None)
         self.groups = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
         self.native_eligible = (self.native_norms is not None and self.act is F.silu and self.sliding_window is None
                                 and all(group.native_parts is not None for group in self.groups))
@@ -175,7 +173,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(module, NativeRMSNorm):
-        kernel, weight, eps = module.kernel, module.weight, module.variance_epsilon
+        kernel, weight, eps = module._kernel, module.weight, module.variance_epsilon
         return lambda x: kernel(x, weight, eps)
     if isinstance(module, FusedRMSNorm):
         shape, weight, eps = module.normalized_shape, module.weight, module.variance_epsilon

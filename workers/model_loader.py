@@ -57,7 +57,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
         if mode in ("bf16", "int4") and not cpu_has_native_bf16():
             logger.warning("--quantization %s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its bfloat16 "
                            "products are emulated, likely slower than --quantization none", mode)
-        logger.info("CPU layers (--quantization %s%s): %s", quantization,
+        logger.info("CPU linear layers (--quantization %s%s): %s", quantization,
                     f" -> {mode}" if quantization == "auto" else "",
                     ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "unchanged")
     return model
@@ -65,8 +65,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
 
 def prepare_cpu_layers(model: torch.nn.Module, quantization: str, mode: str) -> dict[str, int]:
     """A float32 CPU model's linear layers in `mode` (resolved from `quantization`) and its
-    RMSNorms fused, or one-pass where its 4-bit layers run the native kernel; returns the
-    counts by kind (benchmarks/perplexity.py scores the same model)."""
+    RMSNorms fused; returns the counts by kind (benchmarks/perplexity.py scores the same)."""
     # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
     counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
     fuse_rms_norms(model)

@@ -6,8 +6,7 @@ of the step. The C++ stack makes the same ATen calls in the same order (the rota
 as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
 interpreter between them.
 
-The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py) and the
-one-pass RMSNorm that models on it use (native/rms_norm.cpp, fused_rms_norm.py).
+The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
@@ -175,7 +174,7 @@ def _build() -> None:
     try:
         library = library_path()
         if not library.exists():
-            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product, RMSNorm) for this CPU "
+            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product) for this CPU "
                         "(first start only, ~15-40 s)")
             _run_builder(library)
         try:

@@ -1,18 +1,17 @@
 // The decoder layers of a decode step as one C++ call (workers/native_decode.py).
 //
-// It makes the calls of workers/lean_decoder.py, in the same order on the same values,
+// It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
 // except the rotary embedding, one loop here that rounds as ATen's eight calls do; so its
-// logits are bitwise the lean forward's and the model's own. (Its norms are ATen's rms_norm,
-// or rms_norm.cpp's one pass where the module is a NativeRMSNorm; its 4-bit products torch's
-// kernel or int4_product.cpp's: whichever the model's modules use.) What it takes away is Python:
+// logits are bitwise the lean forward's and the model's own. What it takes away is Python:
 // the lean forward makes ~30 torch calls per layer from Python, each paying argument parsing
 // and dispatch from the interpreter, and on a CPU that is most of a one-row step of a small
 // model.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths), the layers' products being 4-bit (cpu_int4.py: torch's kernel or
-// int4_product.cpp's) or oneDNN-packed (cpu_packed_linear.py) and their norms fused or one
-// pass (fused_rms_norm.py). Everything else takes the Python forward.
+// int4_product.cpp's) or oneDNN-packed
+// (cpu_packed_linear.py) and their norms fused (fused_rms_norm.py). Everything else takes
+// the Python forward.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -157,6 +156,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t length = context_slots.size(1);
     const at::Tensor flat_slots = context_slots.reshape({-1});
     for (const Layer& layer : layers_) {
+      const int64_t hidden = x.size(1);
       at::Tensor h = norm(layer, x, layer.input_norm, layer.input_eps);
       std::vector<at::Tensor> qkv = products(layer.groups[0], h);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);

@@ -8,7 +8,6 @@
 // The lean forward, the C++ stack and the module all call it, so they agree bitwise.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -28,10 +27,7 @@ at::Tensor rms_norm_one_pass(const at::Tensor& x, const at::Tensor& weight, doub
   const float* scale = w.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  // Rows split between threads (a prefill chunk has hundreds); each row's arithmetic is the
-  // same whatever the split.
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
-  for (int64_t r = first; r < last; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* row = in + r * hidden;
     // Eight partial sums: lets the compiler vectorize a fixed, deterministic order.
     float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -45,7 +41,6 @@ at::Tensor rms_norm_one_pass(const at::Tensor& x, const at::Tensor& weight, doub
     float* dst = o + r * hidden;
     for (int64_t k = 0; k < hidden; ++k) dst[k] = scale[k] * (row[k] * inverse);
   }
-  });
   return out;
 }
 
