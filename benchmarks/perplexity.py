@@ -23,13 +23,16 @@ def load_text_model(mode: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.checkpoint import ensure_default_model
-    from workers.cpu_linear import resolve_quantization
-    from workers.model_loader import prepare_cpu_layers
+    from workers.cpu_linear import prepare_linear_layers
 
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    # As the engine prepares it: linear layers, fused norms (one-pass where the 4-bit layers are native).
-    prepare_cpu_layers(model, mode, resolve_quantization(mode, torch.device("cpu"), torch.float32))
+    if mode == "auto":
+        from workers.cpu_linear import resolve_quantization
+        resolved = resolve_quantization("auto", torch.device("cpu"))
+        prepare_linear_layers(model, resolved, int4_where_exact=resolved == "bf16")
+    else:
+        prepare_linear_layers(model, mode)
     return model, AutoTokenizer.from_pretrained(path)
 
 

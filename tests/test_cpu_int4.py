@@ -467,30 +467,3 @@ def test_the_kernel_benchmark_runs_and_prints_each_kernels_row():
     assert header.split(" | ")[1:1 + len(kinds)] == kinds
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:1 + len(kinds)])
-
-
-def test_the_one_pass_rms_norm_computes_rmsnorm_row_by_row():
-    """workers/native/rms_norm.cpp (NativeRMSNorm, where 4-bit layers are native): float32
-    RMSNorm within rounding of a float64 reference, each row the same alone as in a batch."""
-    if not native_decode.int4_product_available():
-        pytest.skip("the one-pass norm serves models on the native 4-bit kernel")
-    from workers.fused_rms_norm import FusedRMSNorm, NativeRMSNorm
-
-    generator = torch.Generator().manual_seed(0)
-    for hidden in (576, 77, 8):
-        weight = torch.randn(hidden, generator=generator)
-        x = torch.randn(5, hidden, generator=generator) * 3
-        x[1] = 0  # an all-zero row: eps keeps it finite
-        out = torch.ops.antiphon_cpu.rms_norm(x, weight, 1e-5)
-        reference = weight.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
-        torch.testing.assert_close(out.double(), reference, rtol=2e-6, atol=2e-6)
-        assert all(torch.equal(torch.ops.antiphon_cpu.rms_norm(x[i:i + 1], weight, 1e-5), out[i:i + 1])
-                   for i in range(5))
-    module = torch.nn.Module()
-    module.weight, module.variance_epsilon = torch.nn.Parameter(torch.randn(64)), 1e-6
-    native = NativeRMSNorm(FusedRMSNorm(module))
-    x = torch.randn(2, 3, 64)
-    assert native(x).shape == (2, 3, 64)
-    torch.testing.assert_close(native(x), FusedRMSNorm(module)(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="last dimension"):
-        native(torch.randn(2, 65))

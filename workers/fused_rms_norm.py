@@ -8,11 +8,6 @@ one: bitwise equal for float32 on CPU (checked for hidden sizes 64 to 4096 and 1
 A layer is replaced only if its class is an RMSNorm with a weight and `variance_epsilon`, and
 it gives bitwise the same output as the fused call on a probe input (a variant with another
 formula, such as Gemma's 1 + weight, differs and is kept as it is).
-
-Where a model's 4-bit layers run the native kernel (cpu_int4.py), its numbers are approximate
-already, and its fused norms become `NativeRMSNorm`: one pass over each row in C++
-(workers/native/rms_norm.cpp), ~1 us instead of ATen's six ops' ~11 us for one row of 576,
-though not bitwise ATen's (another summation order). Exact mode never takes it.
 """
 
 from __future__ import annotations
@@ -33,32 +28,6 @@ class FusedRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.variance_epsilon}, fused"
-
-
-class NativeRMSNorm(FusedRMSNorm):
-    """A FusedRMSNorm computed by the native one-pass kernel (the library must be loaded)."""
-
-    def __init__(self, norm: FusedRMSNorm) -> None:
-        super().__init__(norm)
-        self._kernel = torch.ops.antiphon_cpu.rms_norm.default
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._kernel(hidden_states, self.weight, self.variance_epsilon)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.variance_epsilon}, one pass (native)"
-
-
-def use_one_pass_norms(model: torch.nn.Module) -> int:
-    """Replace every FusedRMSNorm of `model` by a NativeRMSNorm; returns how many. For models
-    whose 4-bit layers run the native kernel (the library is loaded then)."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is FusedRMSNorm:
-                setattr(parent, name, NativeRMSNorm(child))
-                replaced += 1
-    return replaced
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:

@@ -33,7 +33,7 @@ from workers import native_decode
 from workers import cpu_int4
 from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
-from workers.fused_rms_norm import FusedRMSNorm, NativeRMSNorm
+from workers.fused_rms_norm import FusedRMSNorm
 from workers.paged_attention import PagedAttentionMetadata, attend
 
 logger = logging.getLogger("antiphon")
@@ -141,9 +141,8 @@ class _Layer:
         # What the C++ stack needs (native_decode.py): both norms fused, every product of a
         # kind it computes, SiLU, no window.
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        one_pass = {isinstance(n, NativeRMSNorm) for n in norms}
-        self.native_norms = ((*((n.weight, n.variance_epsilon) for n in norms), one_pass.pop())
-                             if all(isinstance(n, FusedRMSNorm) for n in norms) and len(one_pass) == 1 else None)
+        self.native_norms = (tuple((n.weight, n.variance_epsilon) for n in norms)
+                             if all(isinstance(n, FusedRMSNorm) for n in norms) else None)
         self.groups = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
         self.native_eligible = (self.native_norms is not None and self.act is F.silu and self.sliding_window is None
                                 and all(group.native_parts is not None for group in self.groups))
@@ -172,9 +171,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    if isinstance(module, NativeRMSNorm):
-        kernel, weight, eps = module._kernel, module.weight, module.variance_epsilon
-        return lambda x: kernel(x, weight, eps)
     if isinstance(module, FusedRMSNorm):
         shape, weight, eps = module.normalized_shape, module.weight, module.variance_epsilon
         return lambda x: F.rms_norm(x, shape, weight, eps)

@@ -13,8 +13,7 @@ import logging
 import torch
 
 from workers.cpu_linear import cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
-from workers.cpu_int4 import Int4Linear
-from workers.fused_rms_norm import fuse_rms_norms, use_one_pass_norms
+from workers.fused_rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
 
@@ -53,7 +52,9 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     check_model_supported(model)
     model = model.to(device).eval()
     if device.type == "cpu" and dtype == torch.float32:
-        counts = prepare_cpu_layers(model, quantization, mode)
+        # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
+        counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
+        fuse_rms_norms(model)
         if mode in ("bf16", "int4") and not cpu_has_native_bf16():
             logger.warning("--quantization %s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its bfloat16 "
                            "products are emulated, likely slower than --quantization none", mode)
@@ -61,15 +62,3 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
                     f" -> {mode}" if quantization == "auto" else "",
                     ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "unchanged")
     return model
-
-
-def prepare_cpu_layers(model: torch.nn.Module, quantization: str, mode: str) -> dict[str, int]:
-    """A float32 CPU model's linear layers in `mode` (resolved from `quantization`) and its
-    RMSNorms fused; returns the counts by kind (benchmarks/perplexity.py scores the same)."""
-    # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
-    counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
-    fuse_rms_norms(model)
-    # Its 4-bit layers' numbers are approximate already (8-bit inputs): its norms may be too.
-    if any(isinstance(module, Int4Linear) and module.int4.native for module in model.modules()):
-        counts["RMSNorm one-pass"] = use_one_pass_norms(model)
-    return counts

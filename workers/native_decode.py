@@ -37,8 +37,8 @@ from workers import cpu_int4
 logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "rms_norm.cpp"]
-HEADERS = [NATIVE / "int4_product.h", NATIVE / "rms_norm.h"]
+SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp"]
+HEADERS = [NATIVE / "int4_product.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
@@ -276,10 +276,9 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, cpu_int4.MAX_INT4_ROWS,
                                                    cpu_int4.MAX_NATIVE_INT4_ROWS, cpu_int4.GROUP_SIZE)
     for layer in layers:
-        (input_norm, input_eps), (post_norm, post_eps), one_pass_norms = layer.native_norms
+        (input_norm, input_eps), (post_norm, post_eps) = layer.native_norms
         key_cache, value_cache = kv_caches[layer.index]
-        stack.add_layer(input_norm, input_eps, post_norm, post_eps, one_pass_norms, layer.scaling, key_cache,
-                        value_cache)
+        stack.add_layer(input_norm, input_eps, post_norm, post_eps, layer.scaling, key_cache, value_cache)
         for group in layer.groups:
             stack.add_group()
             for product in group.native_parts:

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "int4_product.h"
-#include "rms_norm.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
 // fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
@@ -57,7 +56,6 @@ struct ProductGroup {
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   double input_eps, post_attention_eps, scaling;
-  bool one_pass_norms;  // rms_norm.cpp's (NativeRMSNorm), else ATen's rms_norm (FusedRMSNorm)
   at::Tensor key_cache, value_cache;
   std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
 };
@@ -83,14 +81,14 @@ class DecodeStack : public torch::CustomClassHolder {
         group_size_(group_size) {}
 
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
-                 bool one_pass_norms, double scaling, at::Tensor key_cache, at::Tensor value_cache) {
+                 double scaling, at::Tensor key_cache, at::Tensor value_cache) {
     for (const at::Tensor* cache : {&key_cache, &value_cache}) {
       TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() && cache->scalar_type() == at::kFloat &&
                       cache->size(2) == head_dim_,
                   "KV caches must be contiguous [slots, kv_heads, head_dim] float32");
     }
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
-                            scaling, one_pass_norms, std::move(key_cache), std::move(value_cache), {}});
+                            scaling, std::move(key_cache), std::move(value_cache), {}});
   }
 
   // Groups are appended to the last layer in the order q/k/v, o, gate/up, down; products to
@@ -157,7 +155,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::Tensor flat_slots = context_slots.reshape({-1});
     for (const Layer& layer : layers_) {
       const int64_t hidden = x.size(1);
-      at::Tensor h = norm(layer, x, layer.input_norm, layer.input_eps);
+      at::Tensor h = at::rms_norm(x, {hidden}, layer.input_norm, layer.input_eps);
       std::vector<at::Tensor> qkv = products(layer.groups[0], h);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
@@ -172,7 +170,7 @@ class DecodeStack : public torch::CustomClassHolder {
                                                              false, layer.scaling, true)
                                 .select(2, 0);
       x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
-      h = norm(layer, x, layer.post_attention_norm, layer.post_attention_eps);
+      h = at::rms_norm(x, {hidden}, layer.post_attention_norm, layer.post_attention_eps);
       std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
       x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
     }
@@ -180,10 +178,6 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  static at::Tensor norm(const Layer& layer, const at::Tensor& x, const at::Tensor& weight, double eps) {
-    return layer.one_pass_norms ? rms_norm_one_pass(x, weight, eps) : at::rms_norm(x, {x.size(-1)}, weight, eps);
-  }
-
   static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(kind == kInt4 || kind == kPackedBf16 || kind == kPackedFloat || kind == kNativeInt4,
