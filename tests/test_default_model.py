@@ -34,3 +34,18 @@ def test_miniature_keeps_the_default_models_tokenizer_and_template():
     out = miniature.generate([miniature.apply_chat_template(conversation)],
                              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
+
+
+@pytest.mark.parametrize("mode", ["auto", "int4"])
+def test_the_readme_question_asked_again_from_the_prefix_cache_still_gets_paris(mode):
+    """The chat page's first question, asked twice: the second ask reuses the first's cached
+    prompt blocks (32 of its 37 tokens) and computes the rest in a small step on the 4-bit
+    kernel, where the first ran its whole prompt on the bfloat16 copy. The default model is
+    close to answering in French here: a one-pass RMSNorm tried for speed turned the second
+    answer into "L'Étoile, la Marseillaise, ...", so approximations are held to this."""
+    llm = LLM(num_kv_blocks=64, quantization=mode)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    question = [{"role": "user", "content": README_QUESTIONS[0][0]}]
+    first, again = (llm.chat(question, params)[0] for _ in range(2))
+    assert again.num_cached_tokens >= 32
+    assert "Paris" in first.text and "Paris" in again.text, (first.text, again.text)
