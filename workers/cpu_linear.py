@@ -63,14 +63,19 @@ def can_pack() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them oneDNN emulates bfloat16, slower than float32."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+            line = next((line for line in cpuinfo if line.startswith("flags")), "flags:")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them oneDNN emulates bfloat16, slower than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:

@@ -2,9 +2,8 @@
 logits as the model's own forward, with fewer calls.
 
 On a CPU a decode step of a small model is mostly per-call cost, not arithmetic: the default
-model's one-row step spent ~4 ms in its 210 4-bit products and ~15 ms around them (before this
-forward), in
-transformers' module machinery (30 layers x 9 module calls, keyword plumbing, output
+model's one-row step spent ~4 ms in its 210 4-bit products and ~15 ms around them before this
+forward, in transformers' module machinery (30 layers x 9 module calls, keyword plumbing, output
 records, the mask helper) and in small tensor calls. This forward runs the same kernels on
 the same values in the same order, and leaves out what computes nothing:
 
@@ -12,8 +11,8 @@ the same values in the same order, and leaves out what computes nothing:
 - products sharing an input (q/k/v, gate/up) share one bfloat16 copy of it in the bfloat16
   and 4-bit modes, instead of making one each (the copy is the same every time);
 - the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
-  workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows 4-bit, the
-  bias added in float32 after the product).
+  workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows
+  4-bit, the bias added in float32 after the product).
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
 every mode is covered. Only model classes whose forward this one mirrors take it
@@ -29,8 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from workers import native_decode
-from workers import cpu_int4
+from workers import cpu_int4, native_decode
 from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
@@ -182,8 +180,8 @@ class _ProductGroup:
     x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
     bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
     laid side by side (each layer's codes become a view of that tensor; only the small scales
-    are copied), so a step of up to the kernel's max_rows rows makes one kernel call for the group,
-    whose columns are bitwise the separate calls' (the native kernel computes each tile of 16
+    are copied), so a step of up to the kernel's max_rows rows makes one kernel call for the
+    group, whose columns are bitwise the separate calls' (the native kernel computes each tile of 16
     outputs on its own; torch's is checked on a probe at load: its columns are independent in
     tiles of 64 outputs, not in its narrower tail tiles)."""
 

@@ -12,8 +12,9 @@ It is compiled here, against the installed torch, on first use (~15-40 s with tw
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
 background thread waits for: until it is ready, and wherever it cannot be built, steps take
 the Python forward, which computes the same. A model with 4-bit layers on a CPU with AVX-512
-VNNI waits for it at load instead (int4_product_available: a layer's kernel is chosen once). Later starts load the
-built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it off.
+VNNI waits for it at load instead (int4_product_available: a layer's kernel is chosen once).
+Later starts load the built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it
+off.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from workers import cpu_int4
+from workers.cpu_linear import cpu_flags
 
 logger = logging.getLogger("antiphon")
 
@@ -120,7 +122,7 @@ def int4_product_available(wait: bool = True) -> bool:
     the library is loaded now, without waiting or deciding."""
     if "int4_product" in _state:
         return bool(_state["int4_product"])
-    if not enabled() or not INT4_CPU_FLAGS <= _cpu_flags():
+    if not enabled() or not INT4_CPU_FLAGS <= cpu_flags():
         return False
     if not wait:
         return is_ready() and _int4_product_usable()
@@ -140,17 +142,6 @@ def _int4_product_usable() -> bool:
         logger.warning("two OpenMP runtimes loaded (%s): 4-bit layers use torch's kernel", ", ".join(sorted(runtimes)))
         return False
     return True
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _openmp_runtimes() -> set[str]:
