@@ -91,9 +91,12 @@ def test_run_on_text_is_cut_into_bounded_model_calls(voice):
 
 
 def test_speed_shortens_the_audio(voice):
+    # Piper draws each phoneme's length with noise (noise_w), so one pair of takes can land
+    # close together (0.73 seen in CI); the medians of several takes are ~0.61 apart.
     text = "This sentence is spoken at two speeds."
-    normal, fast = voice.synthesize(text), voice.synthesize(text, speed=2.0)
-    assert len(fast) < 0.7 * len(normal)
+    normal = np.median([len(voice.synthesize(text)) for _ in range(7)])
+    fast = np.median([len(voice.synthesize(text, speed=2.0)) for _ in range(7)])
+    assert fast < 0.7 * normal
 
 
 def test_control_characters_do_not_cut_the_text_short(voice):
