@@ -27,11 +27,13 @@ class CountingStack:
     """Stands in for the C++ stack and counts the steps it computes."""
 
     def __init__(self, stack) -> None:
-        self.stack, self.steps, self.in_place = stack, 0, 0
+        self.stack, self.steps, self.in_place, self.native_attention = stack, 0, 0, 0
 
     def forward(self, *args):
+        *_, context_start, context_lens = args
         self.steps += 1
-        self.in_place += args[-1] >= 0  # context_start: a lone row's context read in place
+        self.in_place += context_start >= 0  # a lone row's context read in place
+        self.native_attention += context_lens is not None  # cpu_decode_attention.py
         return self.stack.forward(*args)
 
 
@@ -114,7 +116,10 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
     # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
     llm = LLM(str(tiny_checkpoints[arch]), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
               max_num_batched_tokens=24)
-    assert_int4_kernel(llm.engine.core.executor.runner, mode)
+    runner = llm.engine.core.executor.runner
+    assert_int4_kernel(runner, mode)
+    # Where the 4-bit layers are native, both forwards attend with the native decode attention.
+    assert runner.native_attention == (mode == "int4" and native_decode.int4_product_available())
     steps = run_both_forwards(monkeypatch, llm)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -141,9 +146,16 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
-    # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not), some
-    # reading a lone row's context in place.
-    assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
+    # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not): with
+    # the native decode attention where the 4-bit layers are native, else SDPA, some reading a
+    # lone row's context in place.
+    native_attention = mode == "int4" and native_decode.int4_product_available()
+    assert runner.native_attention == native_attention
+    if native_attention:
+        assert runner.lean.native.native_attention == runner.lean.native.steps > 20
+    else:
+        assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
+        assert runner.lean.native.native_attention == 0
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):

@@ -28,6 +28,7 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers import cpu_decode_attention
 from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
@@ -105,6 +106,10 @@ class ModelRunner:
         ]
         if self.lean is not None:
             self.lean.attach_native(self.kv_caches)
+        # Decode rows attend with the native kernel (read in place, any lengths in one group)
+        # where the model's 4-bit layers run natively: workers/cpu_decode_attention.py.
+        self.native_attention = (not self.use_kernels and self.device.type == "cpu"
+                                 and cpu_decode_attention.serves(model, cache_shape.head_dim))
         self.requests: dict[str, RunnerRequest] = {}
         self.to_device = HostToDevice(self.device)
         self.graphs: DecodeGraphs | None = None
@@ -331,7 +336,10 @@ class ModelRunner:
         bs, table, counts, ends = self.block_size, batch.block_tables, batch.counts, batch.ends
         num_rows = len(counts)
         decode_rows = np.nonzero(counts == 1)[0]
-        row_groups = _group_by_length(decode_rows, ends)
+        if self.native_attention and len(decode_rows):
+            row_groups = [decode_rows]  # the native kernel reads each row's own length: padding costs nothing
+        else:
+            row_groups = _group_by_length(decode_rows, ends)
         all_decodes_in_order = len(row_groups) == 1 and len(decode_rows) == num_rows
         if all_decodes_in_order:
             row_groups = [decode_rows]  # batch order: the attention output needs no scatter
@@ -388,6 +396,9 @@ class ModelRunner:
         lengths = ends[rows]
         ctx = np.arange(int(lengths.max()))
         slots = table[rows][:, ctx // bs] * bs + ctx % bs
+        if self.native_attention:
+            return DecodeGroup(query_index=torch.from_numpy(query_offsets[rows]), context_slots=torch.from_numpy(slots),
+                               context_mask=None, context_lens=torch.from_numpy(lengths.astype(np.int64)))
         # Rows of one length (one stream, say) pad nothing: no mask, which SDPA runs faster
         # (44 vs 61 us per layer for one row of 300 tokens here) with bitwise the same output.
         mask = None

@@ -39,8 +39,8 @@ from workers.cpu_linear import cpu_flags
 logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp"]
-HEADERS = [NATIVE / "int4_product.h"]
+SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp"]
+HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on

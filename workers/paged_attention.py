@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.config import ATTENTION_BACKENDS
+from workers import cpu_decode_attention
 
 ATTENTION_NAME = "antiphon_paged"
 
@@ -53,6 +54,10 @@ class DecodeGroup:
     context_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is part of the context; None: all are
     # One row whose context fills consecutive slots [start, start + L): read in place, no gather.
     context_start: int | None = None
+    # [B] int64: each row's context length, set when the native kernel attends
+    # (workers/cpu_decode_attention.py): it reads each row's first context_lens[b] slots in
+    # place, with no mask and no gather.
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -159,14 +164,10 @@ def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: 
     if meta.all_decodes_in_order:
         # A pure decode step in one group (one stream, or streams of similar lengths):
         # its rows are the batch's rows, no scatter needed.
-        group = meta.decode_groups[0]
-        return decode_attention(q, key_cache, value_cache, group.context_slots, group.context_mask, scaling,
-                                group.context_start)
+        return attend_decode_group(meta.decode_groups[0], q, key_cache, value_cache, scaling)
     out = torch.empty_like(q)
     for group in meta.decode_groups:
-        out[group.query_index] = decode_attention(q[group.query_index], key_cache, value_cache,
-                                                  group.context_slots, group.context_mask, scaling,
-                                                  group.context_start)
+        out[group.query_index] = attend_decode_group(group, q[group.query_index], key_cache, value_cache, scaling)
     for span in meta.prefill_spans:
         rows = slice(span.query_start, span.query_end)
         if span.context_slots is None:
@@ -198,6 +199,14 @@ def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value
                                 meta.context_lens[d:], meta.max_prefill_query_len, scale, meta.block_size,
                                 out=out[d:])
     return out
+
+
+def attend_decode_group(group: DecodeGroup, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    if group.context_lens is not None:
+        return cpu_decode_attention.attend(q, key_cache, value_cache, group.context_slots, group.context_lens, scale)
+    return decode_attention(q, key_cache, value_cache, group.context_slots, group.context_mask, scale,
+                            group.context_start)
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -8,10 +8,10 @@
 // model.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
-// similar lengths), the layers' products being 4-bit (cpu_int4.py: torch's kernel or
-// int4_product.cpp's) or oneDNN-packed
-// (cpu_packed_linear.py) and their norms fused (fused_rms_norm.py). Everything else takes
-// the Python forward.
+// similar lengths; any lengths where the native decode attention serves, which the Python
+// forwards then call too: cpu_decode_attention.py), the layers' products being 4-bit
+// (cpu_int4.py: torch's kernel or int4_product.cpp's) or oneDNN-packed (cpu_packed_linear.py)
+// and their norms fused (fused_rms_norm.py). Everything else takes the Python forward.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,6 +20,7 @@
 
 #include <vector>
 
+#include "decode_attention.h"
 #include "int4_product.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
@@ -140,10 +141,12 @@ class DecodeStack : public torch::CustomClassHolder {
   // x [T, hidden] (the token embeddings); cos, sin [1, 1, T, head_dim]; slot_mapping [T];
   // context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one row
   // whose context fills slots [start, start + L) of the cache, start (read in place, no
-  // gather), else -1 -> hidden states [T, hidden] after the last layer.
+  // gather), else -1; context_lens [T] int64 or None: given, the native decode attention
+  // (decode_attention.cpp) reads each row's first context_lens[t] slots in place, instead of
+  // SDPA -> hidden states [T, hidden] after the last layer.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                      const at::Tensor& context_slots, const c10::optional<at::Tensor>& context_mask,
-                     int64_t context_start) {
+                     int64_t context_start, const c10::optional<at::Tensor>& context_lens) {
     TORCH_CHECK(finished_, "finish() the stack first");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 4 &&
@@ -164,11 +167,17 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor q_rows = q[0].transpose(0, 1);
       layer.key_cache.index_copy_(0, slot_mapping, k[0].transpose(0, 1));
       layer.value_cache.index_copy_(0, slot_mapping, v[0].transpose(0, 1));
-      at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length);
-      at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length);
-      at::Tensor attended = at::scaled_dot_product_attention(q_rows.unsqueeze(2), keys, values, context_mask, 0.0,
-                                                             false, layer.scaling, true)
-                                .select(2, 0);
+      at::Tensor attended;
+      if (context_lens.has_value()) {
+        attended = decode_attention(q_rows, layer.key_cache, layer.value_cache, context_slots, *context_lens,
+                                    layer.scaling);
+      } else {
+        at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length);
+        at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length);
+        attended = at::scaled_dot_product_attention(q_rows.unsqueeze(2), keys, values, context_mask, 0.0, false,
+                                                    layer.scaling, true)
+                       .select(2, 0);
+      }
       x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
       h = at::rms_norm(x, {hidden}, layer.post_attention_norm, layer.post_attention_eps);
       std::vector<at::Tensor> gate_up = products(layer.groups[2], h);

@@ -1,0 +1,30 @@
+"""Whether a CPU model's decode steps attend with the native kernel, which reads each row's
+context from the paged KV cache in place (workers/native/decode_attention.cpp), instead of
+gathering it and running SDPA over the padded batch (paged_attention.decode_attention).
+
+It is ~5x faster for a batch of 16 rows and ~2x for one (`python
+benchmarks/decode_attention.py`), but not bitwise SDPA's, so exact mode never takes it. It
+serves the models whose 4-bit layers run the native kernel: those waited for the library when
+they loaded, so their attention computes the same way from the first step to the last. (bf16
+and int8 models start serving before the library is built; switching kernels under a running
+request would move its numbers mid-answer.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.cpu_int4 import Int4Linear
+
+
+def serves(model: torch.nn.Module, head_dim: int) -> bool:
+    if not any(isinstance(module, Int4Linear) and module.int4.native for module in model.modules()):
+        return False
+    return bool(torch.ops.antiphon_cpu.decode_attention_supported(head_dim))
+
+
+def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, context_slots: torch.Tensor,
+           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; caches [slots, Hkv, D]; context_slots [B, L] int64, of which row b's
+    first context_lens[b] are its context -> [B, Hq, D]."""
+    return torch.ops.antiphon_cpu.decode_attention(q, key_cache, value_cache, context_slots, context_lens, scale)
