@@ -30,7 +30,7 @@ class CountingStack:
         self.stack, self.steps, self.in_place, self.native_attention = stack, 0, 0, 0
 
     def forward(self, *args):
-        *_, context_start, context_lens = args
+        *_, context_start, _, context_lens, _ = args  # ..., block_tables, context_lens, block_size
         self.steps += 1
         self.in_place += context_start >= 0  # a lone row's context read in place
         self.native_attention += context_lens is not None  # cpu_decode_attention.py

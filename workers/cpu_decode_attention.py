@@ -23,8 +23,9 @@ def serves(model: torch.nn.Module, head_dim: int) -> bool:
     return bool(torch.ops.antiphon_cpu.decode_attention_supported(head_dim))
 
 
-def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, context_slots: torch.Tensor,
-           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D]; caches [slots, Hkv, D]; context_slots [B, L] int64, of which row b's
-    first context_lens[b] are its context -> [B, Hq, D]."""
-    return torch.ops.antiphon_cpu.decode_attention(q, key_cache, value_cache, context_slots, context_lens, scale)
+def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; caches [blocks * block_size, Hkv, D]; block_tables [B, W] int64, row b's
+    context being its first context_lens[b] positions -> [B, Hq, D]."""
+    return torch.ops.antiphon_cpu.decode_attention(q, key_cache, value_cache, block_tables, context_lens, block_size,
+                                                   scale)

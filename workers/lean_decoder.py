@@ -95,7 +95,7 @@ class LeanDecoder:
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
             x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
-                                    start, group.context_lens)
+                                    start, group.block_tables, group.context_lens, group.block_size)
         else:
             for layer in self.layers:
                 x = layer.forward(x, cos, sin, attention)

@@ -3,7 +3,8 @@
 Every scheduled token of every request runs as one sequence. Each layer first writes the
 step's keys and values into the block cache (all of them, before any read, so requests
 scheduled in the same step can share freshly registered prefix blocks), then attends:
-decodes in a few padded batches, prefill chunks one span at a time.
+decodes in a few padded batches (or, where the native CPU decode attention serves, one batch
+read from the cache in place: cpu_decode_attention.py), prefill chunks one span at a time.
 
 With the Triton backend (the default on CUDA; kernels/) the layer reads the caches through
 block tables instead: one cache-write launch, one decode launch for the single-token rows
@@ -47,17 +48,20 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
 
 @dataclass
 class DecodeGroup:
-    """Single-token queries whose contexts have similar lengths, padded to the longest."""
+    """Single-token queries: for SDPA, contexts of similar lengths padded to the longest; for
+    the native kernel, any lengths."""
 
     query_index: torch.Tensor  # [B] rows of the packed batch
-    context_slots: torch.Tensor  # [B, L] cache slots of each context, padded
-    context_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is part of the context; None: all are
+    # For SDPA over gathered contexts:
+    context_slots: torch.Tensor | None = None  # [B, L] cache slots of each context, padded
+    context_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where the slot is in the context; None: all are
     # One row whose context fills consecutive slots [start, start + L): read in place, no gather.
     context_start: int | None = None
-    # [B] int64: each row's context length, set when the native kernel attends
-    # (workers/cpu_decode_attention.py): it reads each row's first context_lens[b] slots in
-    # place, with no mask and no gather.
+    # Or for the native kernel (workers/cpu_decode_attention.py), which reads each row's context
+    # in place, any lengths in one group: [B, W] int64 block tables, [B] int64 context lengths.
+    block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
+    block_size: int = 0
 
 
 @dataclass
@@ -202,9 +206,11 @@ def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value
 
 
 def attend_decode_group(group: DecodeGroup, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float | None) -> torch.Tensor:
     if group.context_lens is not None:
-        return cpu_decode_attention.attend(q, key_cache, value_cache, group.context_slots, group.context_lens, scale)
+        scale = scale if scale is not None else q.shape[-1] ** -0.5  # SDPA's default
+        return cpu_decode_attention.attend(q, key_cache, value_cache, group.block_tables, group.context_lens,
+                                           group.block_size, scale)
     return decode_attention(q, key_cache, value_cache, group.context_slots, group.context_mask, scale,
                             group.context_start)
 

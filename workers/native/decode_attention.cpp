@@ -4,12 +4,15 @@
 // The torch path gathers every row's context with index_select (a copy of its keys and values
 // per layer) and runs SDPA over the padded batch; for single-token queries SDPA's CPU kernel
 // spends most of its time around a pair of tiny matrix products per row and head. A 16-row
-// step of the default model spent ~14 ms of its ~40 ms there. This computes each (row, KV
-// head) pair directly from the cache rows its slots name: scores, softmax, weighted values.
+// step of the default model spent ~14 ms of its ~40 ms there. This computes each row from
+// the cache rows its block table names, per KV head and partition of 256 positions (a work
+// item each, so one long row still uses every thread): scores for the query heads sharing
+// the KV head in one pass over its keys, softmax, weighted values in one pass over its values;
+// a row of several partitions then merges them.
 //
 // Not bitwise SDPA's (its own summation order and exp), so exact mode never takes it. Each
-// row's result depends only on its own query and context: the same whatever its batch,
-// padding or thread split, so the Python forwards and the C++ stack, which all call it, agree.
+// row's result depends only on its own query and context: the same whatever its batch or
+// thread split, so the Python forwards and the C++ stack, which all call it, agree.
 //
 // x86-64 with AVX-512F only (per-function target, so the library still loads elsewhere);
 // decode_attention_supported() says whether this CPU runs it.
@@ -41,7 +44,9 @@ namespace {
 AVX512_TARGET __m512 exp_non_positive(__m512 x) {
   // Below this e^x is under float32's smallest normal and rounds to a denormal or zero; the
   // clamp keeps n * ln2 exact for scores that are -inf or far below their maximum.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  // (The constant first: max_ps returns its second operand when either is NaN, so a NaN
+  // stays NaN, as in SDPA.)
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // ln 2 in two parts: the high one has few enough bits that n * high is exact.
@@ -58,52 +63,95 @@ AVX512_TARGET __m512 exp_non_positive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One query head over one context: out[D] = softmax(scale * q . K) V, for CHUNKS * 16 = D.
-// `keys[j]` and `values[j]` point at context position j's row of this head; `scores` holds
-// at least `length` floats.
-template <int CHUNKS>
-AVX512_TARGET void attend_head(const float* q, const float* const* keys, const float* const* values, int64_t length,
-                               float scale, float* scores, float* out) {
-  __m512 query[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) query[c] = _mm512_loadu_ps(q + 16 * c);
-  float largest = -std::numeric_limits<float>::infinity();
+// A context is cut into partitions of this many positions, each a work item of its own (with
+// its KV head), so that one long row still spreads over the threads; the partial results are
+// merged after (as flash-decoding does). A fixed size, not one taken from the thread count, so
+// a row's result is the same on any machine split and in any batch.
+constexpr int64_t kPartition = 256;
+// Query heads of one KV head computed in one pass over its keys and values (which are then
+// read once per pass, not once per head); a group of 7 takes passes of 4 and 3.
+constexpr int kMaxHeadsPerPass = 4;
+
+// Where each position of a partition's keys and values lies in the caches (in floats).
+struct Partition {
+  const int64_t* offsets;
+  int64_t length;
+};
+
+// HEADS query heads over one partition: for each head, the largest score, the sum of the
+// exponentials, and the unnormalised weighted values, for CHUNKS * 16 = head_dim.
+template <int CHUNKS, int HEADS>
+AVX512_TARGET void attend_partition(const float* const* queries, const float* keys, const float* values,
+                                    Partition part, float scale, float* scores, float* largest, float* totals,
+                                    float* const* sums) {
+  const int64_t length = part.length;
+  __m512 query[HEADS][CHUNKS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) query[h][c] = _mm512_loadu_ps(queries[h] + 16 * c);
+  for (int h = 0; h < HEADS; ++h) largest[h] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < length; ++j) {
-    __m512 dot = _mm512_mul_ps(query[0], _mm512_loadu_ps(keys[j]));
-    for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(keys[j] + 16 * c), dot);
-    scores[j] = _mm512_reduce_add_ps(dot) * scale;
-    largest = std::max(largest, scores[j]);
+    const float* key = keys + part.offsets[j];
+    __m512 k[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) k[c] = _mm512_loadu_ps(key + 16 * c);
+    for (int h = 0; h < HEADS; ++h) {
+      __m512 dot = _mm512_mul_ps(query[h][0], k[0]);
+      for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(query[h][c], k[c], dot);
+      const float score = _mm512_reduce_add_ps(dot) * scale;
+      scores[h * kPartition + j] = score;
+      // A NaN score never becomes the largest; it reaches the output through its own weight.
+      largest[h] = std::max(largest[h], score);
+    }
   }
-  // A NaN score (from a NaN query or key) leaves `largest` finite or -inf; the NaN still
-  // reaches the output through its own weight, as in SDPA.
-  const __m512 shift = _mm512_set1_ps(largest);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < length; j += 16) {
-    const __mmask16 lanes = length - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - j)) - 1);
-    const __m512 weights = exp_non_positive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), shift));
-    total = _mm512_mask_add_ps(total, lanes, total, weights);
-    _mm512_mask_storeu_ps(scores + j, lanes, weights);
+  for (int h = 0; h < HEADS; ++h) {
+    float* head_scores = scores + h * kPartition;
+    const __m512 shift = _mm512_set1_ps(largest[h]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < length; j += 16) {
+      const __mmask16 lanes = length - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - j)) - 1);
+      const __m512 weights = exp_non_positive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, head_scores + j), shift));
+      total = _mm512_mask_add_ps(total, lanes, total, weights);
+      _mm512_mask_storeu_ps(head_scores + j, lanes, weights);
+    }
+    totals[h] = _mm512_reduce_add_ps(total);
   }
-  __m512 sum[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) sum[c] = _mm512_setzero_ps();
+  __m512 sum[HEADS][CHUNKS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) sum[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < length; ++j) {
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    for (int c = 0; c < CHUNKS; ++c) sum[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values[j] + 16 * c), sum[c]);
+    const float* value = values + part.offsets[j];
+    __m512 v[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    for (int h = 0; h < HEADS; ++h) {
+      const __m512 weight = _mm512_set1_ps(scores[h * kPartition + j]);
+      for (int c = 0; c < CHUNKS; ++c) sum[h][c] = _mm512_fmadd_ps(weight, v[c], sum[h][c]);
+    }
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(sum[c], inverse));
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(sums[h] + 16 * c, sum[h][c]);
 }
 
-using HeadFunction = void (*)(const float*, const float* const*, const float* const*, int64_t, float, float*, float*);
+using PartitionFunction = void (*)(const float* const*, const float*, const float*, Partition, float, float*, float*,
+                                   float*, float* const*);
 
-HeadFunction head_function(int64_t head_dim) {
+template <int CHUNKS>
+PartitionFunction partition_function(int heads) {
+  switch (heads) {
+    case 1: return attend_partition<CHUNKS, 1>;
+    case 2: return attend_partition<CHUNKS, 2>;
+    case 3: return attend_partition<CHUNKS, 3>;
+    default: return attend_partition<CHUNKS, 4>;
+  }
+}
+
+PartitionFunction partition_function(int64_t head_dim, int heads) {
   switch (head_dim) {
-    case 16: return attend_head<1>;
-    case 32: return attend_head<2>;
-    case 64: return attend_head<4>;
-    case 80: return attend_head<5>;
-    case 96: return attend_head<6>;
-    case 128: return attend_head<8>;
-    case 256: return attend_head<16>;
+    case 16: return partition_function<1>(heads);
+    case 32: return partition_function<2>(heads);
+    case 64: return partition_function<4>(heads);
+    case 80: return partition_function<5>(heads);
+    case 96: return partition_function<6>(heads);
+    case 128: return partition_function<8>(heads);
+    case 256: return partition_function<16>(heads);
     default: return nullptr;
   }
 }
@@ -113,8 +161,11 @@ HeadFunction head_function(int64_t head_dim) {
 
 bool decode_attention_supported(int64_t head_dim) {
 #ifdef ANTIPHON_DECODE_ATTENTION
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && head_function(head_dim) != nullptr;
+  static const bool avx512 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return avx512 && partition_function(head_dim, 1) != nullptr;
 #else
   (void)head_dim;
   return false;
@@ -122,8 +173,9 @@ bool decode_attention_supported(int64_t head_dim) {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& context_slots, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.is_cpu() && key_cache.is_cpu() && value_cache.is_cpu() && context_slots.is_cpu() &&
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                            double scale) {
+  TORCH_CHECK(q.is_cpu() && key_cache.is_cpu() && value_cache.is_cpu() && block_tables.is_cpu() &&
                   context_lens.is_cpu(),
               "decode attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [rows, heads, head_dim] float32");
@@ -135,66 +187,123 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   const int64_t slots = key_cache.size(0), kv_heads = key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == head_dim, "q's head_dim ", head_dim, ", the cache's ", key_cache.size(2));
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads cannot share ", kv_heads, " KV heads");
-  TORCH_CHECK(context_slots.dim() == 2 && context_slots.size(0) == rows && context_slots.scalar_type() == at::kLong,
-              "context_slots must be [rows, length] int64");
+  TORCH_CHECK(block_size > 0 && slots % block_size == 0, "the caches' ", slots, " slots are not whole blocks of ",
+              block_size);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows && block_tables.scalar_type() == at::kLong,
+              "block_tables must be [rows, blocks] int64");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == rows && context_lens.scalar_type() == at::kLong,
               "context_lens must be [rows] int64");
   TORCH_CHECK(decode_attention_supported(head_dim), "decode attention needs AVX-512F and a head_dim of 16, 32, 64, "
               "80, 96, 128 or 256; got ", head_dim);
   const at::Tensor query = q.contiguous();
-  const at::Tensor slot_table = context_slots.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
-  const int64_t width = slot_table.size(1);
+  const int64_t table_width = tables.size(1), num_blocks = slots / block_size;
   const int64_t* len_data = lens.data_ptr<int64_t>();
+  // Row r's work items are [first_item[r], first_item[r + 1]): its partitions times KV heads.
+  std::vector<int64_t> first_item(rows + 1, 0);
+  bool split = false;
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(len_data[r] >= 1 && len_data[r] <= width, "row ", r, "'s context length ", len_data[r],
-                " is outside 1..", width);
+    const int64_t length = len_data[r];
+    TORCH_CHECK(length >= 1 && length <= table_width * block_size, "row ", r, "'s context length ", length,
+                " is outside 1..", table_width * block_size, " (its block table's)");
+    const int64_t partitions = (length + kPartition - 1) / kPartition;
+    split = split || partitions > 1;
+    first_item[r + 1] = first_item[r] + partitions * kv_heads;
   }
   at::Tensor out = at::empty({rows, heads, head_dim}, query.options());
 #ifdef ANTIPHON_DECODE_ATTENTION
-  const HeadFunction attend = head_function(head_dim);
   const int64_t group = heads / kv_heads;
   const float* q_data = query.data_ptr<float>();
   const float* key_data = key_cache.data_ptr<float>();
   const float* value_data = value_cache.data_ptr<float>();
-  const int64_t* slot_data = slot_table.data_ptr<int64_t>();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
-  std::atomic<bool> bad_slot{false};
-  // One work item per (row, KV head): its query heads read the same cache rows.
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<const float*> keys, values;
-    std::vector<float> scores;
+  // Rows of several partitions leave each partition's (largest, total, weighted values) per
+  // query head here, merged below.
+  constexpr int64_t kPartial = 2;  // floats before the values: largest score, total weight
+  at::Tensor partials = split ? at::empty({first_item[rows], group, kPartial + head_dim}, query.options())
+                              : at::Tensor();
+  float* partial_data = split ? partials.data_ptr<float>() : nullptr;
+  std::atomic<bool> bad_block{false};
+  at::parallel_for(0, first_item[rows], 1, [&](int64_t first, int64_t last) {
+    std::vector<int64_t> offsets(kPartition);
+    std::vector<float> scores(kMaxHeadsPerPass * kPartition), weighted(kMaxHeadsPerPass * head_dim);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t r = item / kv_heads, g = item % kv_heads, length = len_data[r];
-      keys.resize(length);
-      values.resize(length);
-      scores.resize(length);
-      const int64_t* row_slots = slot_data + r * width;
+      const int64_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t within = item - first_item[r], g = within % kv_heads, p = within / kv_heads;
+      const int64_t begin = p * kPartition, length = std::min(len_data[r] - begin, kPartition);
+      const bool whole = len_data[r] <= kPartition;
+      const int64_t* table = table_data + r * table_width;
       for (int64_t j = 0; j < length; ++j) {
-        const int64_t slot = row_slots[j];
-        if (slot < 0 || slot >= slots) {
-          bad_slot = true;
+        const int64_t position = begin + j, block = table[position / block_size];
+        if (block < 0 || block >= num_blocks) {
+          bad_block = true;
           return;
         }
-        const int64_t offset = (slot * kv_heads + g) * head_dim;
-        keys[j] = key_data + offset;
-        values[j] = value_data + offset;
+        offsets[j] = ((block * block_size + position % block_size) * kv_heads + g) * head_dim;
       }
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const int64_t at_head = (r * heads + h) * head_dim;
-        attend(q_data + at_head, keys.data(), values.data(), length, scale_f, scores.data(), out_data + at_head);
+      for (int64_t h0 = 0; h0 < group; h0 += kMaxHeadsPerPass) {
+        const int pass = static_cast<int>(std::min<int64_t>(group - h0, kMaxHeadsPerPass));
+        const float* queries[kMaxHeadsPerPass];
+        float* sums[kMaxHeadsPerPass];
+        float largest[kMaxHeadsPerPass], totals[kMaxHeadsPerPass];
+        for (int h = 0; h < pass; ++h) {
+          queries[h] = q_data + (r * heads + g * group + h0 + h) * head_dim;
+          sums[h] = weighted.data() + h * head_dim;
+        }
+        partition_function(head_dim, pass)(queries, key_data, value_data, Partition{offsets.data(), length},
+                                           scale_f, scores.data(), largest, totals, sums);
+        for (int h = 0; h < pass; ++h) {
+          if (whole) {
+            float* dst = out_data + (r * heads + g * group + h0 + h) * head_dim;
+            const float inverse = 1.0f / totals[h];
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = sums[h][d] * inverse;
+          } else {
+            float* dst = partial_data + (item * group + h0 + h) * (kPartial + head_dim);
+            dst[0] = largest[h];
+            dst[1] = totals[h];
+            std::copy(sums[h], sums[h] + head_dim, dst + kPartial);
+          }
+        }
       }
     }
   });
-  TORCH_CHECK(!bad_slot, "a context slot lies outside the cache's ", slots, " slots");
+  TORCH_CHECK(!bad_block, "a block table names a block outside the cache's ", num_blocks, " blocks");
+  if (split) {
+    // Each split row's heads: the partitions' weights rescaled to the overall largest score.
+    at::parallel_for(0, rows * heads, 1, [&](int64_t first, int64_t last) {
+      for (int64_t index = first; index < last; ++index) {
+        const int64_t r = index / heads, h = index % heads, g = h / group, partitions = (first_item[r + 1] -
+                                                                                          first_item[r]) / kv_heads;
+        if (partitions == 1) continue;
+        auto partial = [&](int64_t p) {
+          return partial_data + ((first_item[r] + p * kv_heads + g) * group + h % group) * (kPartial + head_dim);
+        };
+        float overall = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < partitions; ++p) overall = std::max(overall, partial(p)[0]);
+        float* dst = out_data + (r * heads + h) * head_dim;
+        std::fill(dst, dst + head_dim, 0.0f);
+        float total = 0.0f;
+        for (int64_t p = 0; p < partitions; ++p) {
+          const float* part = partial(p);
+          const float factor = std::exp(part[0] - overall);
+          total += part[1] * factor;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] += part[kPartial + d] * factor;
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inverse;
+      }
+    });
+  }
 #endif
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(antiphon_cpu, m) {
   m.def("decode_attention_supported(int head_dim) -> bool", &decode_attention_supported);
-  m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor context_slots, "
-        "Tensor context_lens, float scale) -> Tensor",
+  m.def("decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, int block_size, float scale) -> Tensor",
         &decode_attention);
 }

@@ -139,23 +139,31 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // x [T, hidden] (the token embeddings); cos, sin [1, 1, T, head_dim]; slot_mapping [T];
-  // context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one row
-  // whose context fills slots [start, start + L) of the cache, start (read in place, no
-  // gather), else -1; context_lens [T] int64 or None: given, the native decode attention
-  // (decode_attention.cpp) reads each row's first context_lens[t] slots in place, instead of
-  // SDPA -> hidden states [T, hidden] after the last layer.
+  // Then the rows' contexts, for one of two attentions:
+  //  - SDPA: context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one
+  //    row whose context fills slots [start, start + L) of the cache, start (read in place,
+  //    no gather), else -1;
+  //  - the native decode attention (decode_attention.cpp), which reads the caches in place:
+  //    block_tables [T, W] and context_lens [T] int64, and the block size;
+  // -> hidden states [T, hidden] after the last layer.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-                     const at::Tensor& context_slots, const c10::optional<at::Tensor>& context_mask,
-                     int64_t context_start, const c10::optional<at::Tensor>& context_lens) {
+                     const c10::optional<at::Tensor>& context_slots, const c10::optional<at::Tensor>& context_mask,
+                     int64_t context_start, const c10::optional<at::Tensor>& block_tables,
+                     const c10::optional<at::Tensor>& context_lens, int64_t block_size) {
     TORCH_CHECK(finished_, "finish() the stack first");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 4 &&
                     cos.size(2) == x.size(0) && cos.size(3) == head_dim_ && cos.scalar_type() == at::kFloat,
                 "cos and sin must be contiguous [1, 1, tokens, head_dim] float32");
-    TORCH_CHECK(context_start < 0 || context_slots.size(0) == 1, "an in-place context is one row's");
+    const bool native_attention = context_lens.has_value();
+    TORCH_CHECK(native_attention ? block_tables.has_value() && !context_slots.has_value()
+                                 : context_slots.has_value() && !block_tables.has_value(),
+                "give context_slots (SDPA) or block_tables and context_lens (the native attention)");
+    TORCH_CHECK(native_attention || context_start < 0 || context_slots->size(0) == 1,
+                "an in-place context is one row's");
     const int64_t tokens = x.size(0);
-    const int64_t length = context_slots.size(1);
-    const at::Tensor flat_slots = context_slots.reshape({-1});
+    const int64_t length = native_attention ? 0 : context_slots->size(1);
+    const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
       const int64_t hidden = x.size(1);
       at::Tensor h = at::rms_norm(x, {hidden}, layer.input_norm, layer.input_eps);
@@ -168,9 +176,9 @@ class DecodeStack : public torch::CustomClassHolder {
       layer.key_cache.index_copy_(0, slot_mapping, k[0].transpose(0, 1));
       layer.value_cache.index_copy_(0, slot_mapping, v[0].transpose(0, 1));
       at::Tensor attended;
-      if (context_lens.has_value()) {
-        attended = decode_attention(q_rows, layer.key_cache, layer.value_cache, context_slots, *context_lens,
-                                    layer.scaling);
+      if (native_attention) {
+        attended = decode_attention(q_rows, layer.key_cache, layer.value_cache, *block_tables, *context_lens,
+                                    block_size, layer.scaling);
       } else {
         at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length);
         at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length);
