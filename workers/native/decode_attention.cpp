@@ -71,6 +71,8 @@ constexpr int64_t kPartition = 256;
 // Query heads of one KV head computed in one pass over its keys and values (which are then
 // read once per pass, not once per head); a group of 7 takes passes of 4 and 3.
 constexpr int kMaxHeadsPerPass = 4;
+// The loops over heads and chunks are unrolled (#pragma GCC unroll) so that the queries and
+// sums stay in registers (at -O2 GCC would keep them on the stack).
 
 // Where each position of a partition's keys and values lies in the caches (in floats).
 struct Partition {
@@ -86,15 +88,21 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
                                     float* const* sums) {
   const int64_t length = part.length;
   __m512 query[HEADS][CHUNKS];
+  #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h)
+    #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) query[h][c] = _mm512_loadu_ps(queries[h] + 16 * c);
+  #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h) largest[h] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < length; ++j) {
     const float* key = keys + part.offsets[j];
     __m512 k[CHUNKS];
+    #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) k[c] = _mm512_loadu_ps(key + 16 * c);
+    #pragma GCC unroll 16
     for (int h = 0; h < HEADS; ++h) {
       __m512 dot = _mm512_mul_ps(query[h][0], k[0]);
+      #pragma GCC unroll 16
       for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(query[h][c], k[c], dot);
       const float score = _mm512_reduce_add_ps(dot) * scale;
       scores[h * kPartition + j] = score;
@@ -102,6 +110,7 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
       largest[h] = std::max(largest[h], score);
     }
   }
+  #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h) {
     float* head_scores = scores + h * kPartition;
     const __m512 shift = _mm512_set1_ps(largest[h]);
@@ -115,18 +124,25 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
     totals[h] = _mm512_reduce_add_ps(total);
   }
   __m512 sum[HEADS][CHUNKS];
+  #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h)
+    #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) sum[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < length; ++j) {
     const float* value = values + part.offsets[j];
     __m512 v[CHUNKS];
+    #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    #pragma GCC unroll 16
     for (int h = 0; h < HEADS; ++h) {
       const __m512 weight = _mm512_set1_ps(scores[h * kPartition + j]);
+      #pragma GCC unroll 16
       for (int c = 0; c < CHUNKS; ++c) sum[h][c] = _mm512_fmadd_ps(weight, v[c], sum[h][c]);
     }
   }
+  #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h)
+    #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(sums[h] + 16 * c, sum[h][c]);
 }
 

@@ -51,6 +51,10 @@ namespace {
 
 constexpr int64_t kMaxRowsPerPass = 4;
 
+// The loops over rows, pairs and chains below are unrolled (#pragma GCC unroll) so that their
+// arrays of vectors live in registers: at -O2 GCC kept them on the stack, with a store and a
+// load around every vpdpbusd.
+
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
 // Per row and group of 32 inputs: int8 codes q (x ~ q * step), the step, and the sum of the
@@ -96,17 +100,22 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
   const int64_t groups = k / kGroup;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512 out[ROWS];
+  #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
   const uint8_t* tile_codes = codes + tile * groups * 4 * 64;
   const uint16_t* tile_scales = scales_and_minimums + tile * groups * 2 * kTile;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i sum[ROWS][kChains];
+    #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r)
+      #pragma GCC unroll 16
       for (int c = 0; c < kChains; ++c) sum[r][c] = _mm512_setzero_si512();
+    #pragma GCC unroll 16
     for (int p = 0; p < 4; ++p) {
       const __m512i packed = _mm512_loadu_si512(tile_codes + (g * 4 + p) * 64);
       const __m512i first = _mm512_and_si512(packed, low_nibbles);
       const __m512i second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      #pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
         int32_t inputs[2];  // four int8 inputs each, broadcast to every lane
         std::memcpy(inputs, q + (row + r) * k + g * kGroup + p * 8, sizeof(inputs));
@@ -119,8 +128,10 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales)));
     const __m512 minimum =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + kTile)));
+    #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       __m512i total = sum[r][0];
+      #pragma GCC unroll 16
       for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[r][c]);
       const int64_t at = (row + r) * groups + g;
       const __m512 weighted = _mm512_mul_ps(scale, _mm512_set1_ps(steps[at]));
@@ -128,6 +139,7 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
       out[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[at]), out[r]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + (row + r) * n + tile * kTile, out[r]);
 }
 
