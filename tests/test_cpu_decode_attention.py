@@ -1,12 +1,13 @@
 """The native decode attention (workers/native/decode_attention.cpp) reads each row's context
-from the paged cache by slot: it agrees with SDPA over the gathered contexts to float32's
-precision, a row's result does not depend on its batch, and bad slots or lengths are refused."""
+from the paged cache through its block table: it agrees with SDPA over the gathered contexts to
+float32's precision, the engine's steps give the logits SDPA gives, a row's result does not
+depend on its batch, and bad blocks or lengths are refused."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from tests.test_lean_decoder import generate_every_kind_of_step
 from workers import cpu_decode_attention, native_decode
 from workers.model_runner import ModelRunner
@@ -62,7 +63,8 @@ def reference(q, key_cache, value_cache, tables, lengths, scale, dtype=torch.flo
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 256])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (14, 2)])
+# Groups of 3, 1, 8 and 7 heads, and 6 (passes of 4 and 2 where heads are small).
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (14, 2), (12, 2)])
 def test_it_matches_sdpa_over_the_gathered_contexts(head_dim, heads, kv_heads):
     # Around the 16 lanes of its softmax and its 256-position partitions (merged after).
     lengths = [1, 2, 15, 16, 17, 256, 257, 300, 1029]
@@ -160,6 +162,8 @@ def test_the_engine_attends_natively_as_it_does_with_sdpa(tiny_checkpoints, arch
         return native
     monkeypatch.setattr(ModelRunner, "_forward", both)
     generate_every_kind_of_step(llm)
+    # A context over the kernel's 256-position partitions: merged after.
+    llm.generate([list(range(5, 305))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert max(difference for _, difference in steps) < 1e-4, steps
     assert {1} < {longest for longest, _ in steps}  # decode steps, and steps with prefill chunks
     assert runner.lean.native is not None  # the C++ stack took the decode steps

@@ -34,6 +34,14 @@
 #include <immintrin.h>
 #endif
 
+namespace {
+// A context is cut into partitions of this many positions, each a work item of its own (with
+// its KV head), so that one long row still spreads over the threads; the partial results are
+// merged after (as flash-decoding does). A fixed size, not one taken from the thread count, so
+// a row's result is the same on any machine split and in any batch.
+constexpr int64_t kPartition = 256;
+}  // namespace
+
 #ifdef ANTIPHON_DECODE_ATTENTION
 namespace {
 
@@ -42,8 +50,8 @@ namespace {
 // e^x for x <= 0 (scores minus their maximum), within ~2 float32 ulps: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor series to r^7 / 7! (error below 2e-8), scaled by 2^n.
 AVX512_TARGET __m512 exp_non_positive(__m512 x) {
-  // Below this e^x is under float32's smallest normal and rounds to a denormal or zero; the
-  // clamp keeps n * ln2 exact for scores that are -inf or far below their maximum.
+  // Below this e^x is under float32's smallest denormal and rounds to zero; the clamp keeps
+  // n * ln2 exact for scores that are -inf or far below their maximum.
   // (The constant first: max_ps returns its second operand when either is NaN, so a NaN
   // stays NaN, as in SDPA.)
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
@@ -63,14 +71,13 @@ AVX512_TARGET __m512 exp_non_positive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// A context is cut into partitions of this many positions, each a work item of its own (with
-// its KV head), so that one long row still spreads over the threads; the partial results are
-// merged after (as flash-decoding does). A fixed size, not one taken from the thread count, so
-// a row's result is the same on any machine split and in any batch.
-constexpr int64_t kPartition = 256;
 // Query heads of one KV head computed in one pass over its keys and values (which are then
-// read once per pass, not once per head); a group of 7 takes passes of 4 and 3.
+// read once per pass, not once per head): up to 4, fewer for larger heads so that a pass's
+// queries or sums and one row of keys or values fit the 32 vector registers
+// (heads_per_pass); a group of 7 heads of 64 takes passes of 4 and 3.
 constexpr int kMaxHeadsPerPass = 4;
+// How many positions ahead the keys and values are prefetched.
+constexpr int64_t kPrefetchAhead = 8;
 // The loops over heads and chunks are unrolled (#pragma GCC unroll) so that the queries and
 // sums stay in registers (at -O2 GCC would keep them on the stack).
 
@@ -95,6 +102,16 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
   #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h) largest[h] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < length; ++j) {
+    // The context's rows are scattered over blocks: fetch a few positions ahead (their keys
+    // now, their values for the pass below) rather than wait on each row's lines in turn.
+    if (j + kPrefetchAhead < length) {
+      const int64_t ahead = part.offsets[j + kPrefetchAhead];
+      #pragma GCC unroll 16
+      for (int c = 0; c < CHUNKS; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(keys + ahead + 16 * c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values + ahead + 16 * c), _MM_HINT_T1);
+      }
+    }
     const float* key = keys + part.offsets[j];
     __m512 k[CHUNKS];
     #pragma GCC unroll 16
@@ -159,6 +176,11 @@ PartitionFunction partition_function(int heads) {
   }
 }
 
+// Heads of head_dim per pass: (heads + 1) * head_dim / 16 registers at most 24.
+int heads_per_pass(int64_t head_dim) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxHeadsPerPass, 24 / (head_dim / 16) - 1)));
+}
+
 PartitionFunction partition_function(int64_t head_dim, int heads) {
   switch (head_dim) {
     case 16: return partition_function<1>(heads);
@@ -213,9 +235,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
               "80, 96, 128 or 256; got ", head_dim);
   const at::Tensor query = q.contiguous();
   const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = context_lens.contiguous();
   const int64_t table_width = tables.size(1), num_blocks = slots / block_size;
-  const int64_t* len_data = lens.data_ptr<int64_t>();
+  // Copied once: the lengths checked are the lengths used, whatever else holds the tensor.
+  const at::Tensor lens = context_lens.contiguous();
+  const std::vector<int64_t> lengths(lens.data_ptr<int64_t>(), lens.data_ptr<int64_t>() + rows);
+  const int64_t* len_data = lengths.data();
   // Row r's work items are [first_item[r], first_item[r + 1]): its partitions times KV heads.
   std::vector<int64_t> first_item(rows + 1, 0);
   bool split = false;
@@ -229,7 +253,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   }
   at::Tensor out = at::empty({rows, heads, head_dim}, query.options());
 #ifdef ANTIPHON_DECODE_ATTENTION
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, per_pass = heads_per_pass(head_dim);
   const float* q_data = query.data_ptr<float>();
   const float* key_data = key_cache.data_ptr<float>();
   const float* value_data = value_cache.data_ptr<float>();
@@ -260,8 +284,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
         }
         offsets[j] = ((block * block_size + position % block_size) * kv_heads + g) * head_dim;
       }
-      for (int64_t h0 = 0; h0 < group; h0 += kMaxHeadsPerPass) {
-        const int pass = static_cast<int>(std::min<int64_t>(group - h0, kMaxHeadsPerPass));
+      for (int64_t h0 = 0; h0 < group; h0 += per_pass) {
+        const int pass = static_cast<int>(std::min<int64_t>(group - h0, per_pass));
         const float* queries[kMaxHeadsPerPass];
         float* sums[kMaxHeadsPerPass];
         float largest[kMaxHeadsPerPass], totals[kMaxHeadsPerPass];
