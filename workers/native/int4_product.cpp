@@ -51,6 +51,9 @@ namespace {
 
 constexpr int64_t kMaxRowsPerPass = 4;
 
+// Four int8 inputs read as one 32-bit value (any alignment, aliasing the int8 array).
+typedef int32_t FourInputs __attribute__((may_alias, aligned(1)));
+
 // The loops over rows, pairs and chains below are unrolled (#pragma GCC unroll) so that their
 // arrays of vectors live in registers: at -O2 GCC kept them on the stack, with a store and a
 // load around every vpdpbusd.
@@ -117,8 +120,9 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
       const __m512i second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
       #pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
-        int32_t inputs[2];  // four int8 inputs each, broadcast to every lane
-        std::memcpy(inputs, q + (row + r) * k + g * kGroup + p * 8, sizeof(inputs));
+        // Four int8 inputs each, broadcast to every lane straight from memory (a load-port
+        // broadcast; through a general register it costs a shuffle per vpdpbusd).
+        const FourInputs* inputs = reinterpret_cast<const FourInputs*>(q + (row + r) * k + g * kGroup + p * 8);
         __m512i& chain = sum[r][p % kChains];
         chain = _mm512_dpbusd_epi32(chain, first, _mm512_set1_epi32(inputs[0]));
         chain = _mm512_dpbusd_epi32(chain, second, _mm512_set1_epi32(inputs[1]));
