@@ -14,10 +14,13 @@
 // and their norms fused (fused_rms_norm.py). Everything else takes the Python forward.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <vector>
 
 #include "decode_attention.h"
@@ -33,6 +36,9 @@ namespace {
 enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3 };
 
 bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
+
+// Steps of at least this many rows split their norms and gated activations between threads.
+constexpr int64_t kRowsToSplit = 4;
 
 struct Product {
   int64_t kind;
@@ -166,7 +172,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
       const int64_t hidden = x.size(1);
-      at::Tensor h = at::rms_norm(x, {hidden}, layer.input_norm, layer.input_eps);
+      at::Tensor h = norm(x, layer.input_norm, layer.input_eps);
       std::vector<at::Tensor> qkv = products(layer.groups[0], h);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
@@ -187,9 +193,9 @@ class DecodeStack : public torch::CustomClassHolder {
                        .select(2, 0);
       }
       x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
-      h = at::rms_norm(x, {hidden}, layer.post_attention_norm, layer.post_attention_eps);
+      h = norm(x, layer.post_attention_norm, layer.post_attention_eps);
       std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
-      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
+      x = x + products(layer.groups[3], gated(gate_up[0], gate_up[1]))[0];
     }
     return x;
   }
@@ -241,6 +247,36 @@ class DecodeStack : public torch::CustomClassHolder {
       }
     }
     return out;
+  }
+
+  // Each row's norm and gated activation are computed on their own, and ATen's small calls run
+  // on one thread: a batch's rows are split between the threads, each chunk making the same
+  // ATen calls (bitwise the whole batch's: tests/test_lean_decoder.py compares every step).
+  static at::Tensor by_row_chunks(const at::Tensor& like, int64_t columns,
+                                  const std::function<at::Tensor(int64_t, int64_t)>& compute) {
+    const int64_t rows = like.size(0);
+    if (rows < kRowsToSplit) return compute(0, rows);
+    at::Tensor out = at::empty({rows, columns}, like.options());
+    // The calling thread's state (inference mode among it) for the ATen calls on the others.
+    const at::ThreadLocalState state;
+    at::parallel_for(0, rows, kRowsToSplit / 2, [&](int64_t first, int64_t last) {
+      const at::ThreadLocalStateGuard guard(state);
+      out.slice(0, first, last).copy_(compute(first, last));
+    });
+    return out;
+  }
+
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const int64_t hidden = x.size(1);
+    return by_row_chunks(x, hidden, [&](int64_t first, int64_t last) {
+      return at::rms_norm(x.slice(0, first, last), {hidden}, weight, eps);
+    });
+  }
+
+  static at::Tensor gated(const at::Tensor& gate, const at::Tensor& up) {
+    return by_row_chunks(gate, gate.size(1), [&](int64_t first, int64_t last) {
+      return at::silu(gate.slice(0, first, last)) * up.slice(0, first, last);
+    });
   }
 
   // The most rows a 4-bit kind takes (cpu_int4.Int4Product.max_rows); more take the batched copy.
