@@ -43,8 +43,10 @@ GROUP_SIZE = 32
 MAX_CODE = 15
 # Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. Against oneDNN's
 # bfloat16 product over the default model's layers (benchmarks/int4_kernels.py): torch's kernel
-# 3.2x at 1 row, 1.25x at 8, 0.85x at 16; the native one 5.1x, 2.2x, 1.45x, 1.16x at 32 and
-# 0.95x at 64 (the copy's 16-bit weights are four times the bytes).
+# 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
+# every row count (5x at 1 row, 2x at 32, 1.1x at 512), but its 8-bit inputs in a prompt's
+# prefill moved the default model's greedy answers (its demo answer turned French), so larger
+# steps, prompts mostly, keep the bfloat16 copy.
 MAX_INT4_ROWS = 8
 MAX_NATIVE_INT4_ROWS = 32
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
