@@ -6,7 +6,9 @@ of the step. The C++ stack makes the same ATen calls in the same order (the rota
 as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
 interpreter between them.
 
-The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py).
+The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py) and the
+decode attention that reads the paged cache in place (native/decode_attention.cpp,
+cpu_decode_attention.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
@@ -165,8 +167,8 @@ def _build() -> None:
     try:
         library = library_path()
         if not library.exists():
-            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product) for this CPU "
-                        "(first start only, ~15-40 s)")
+            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product, decode attention) "
+                        "for this CPU (first start only, ~15-40 s)")
             _run_builder(library)
         try:
             torch.ops.load_library(str(library))
