@@ -158,6 +158,24 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
         assert runner.lean.native.native_attention == 0
 
 
+def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, native_stack, monkeypatch):
+    """The stack splits a batch's norms between the threads by rows; ATen splits a large
+    elementwise call (here silu over 16 x 4864 on 3 threads) by elements. Both must leave the
+    logits the model's own (a silu split by rows did not: its exp rounds block tails apart)."""
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=4864)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        llm = LLM(str(checkpoint), num_kv_blocks=256, max_num_batched_tokens=24)
+        steps = run_both_forwards(monkeypatch, llm, native=True)
+        llm.generate([[5 + i, 6, 7] for i in range(16)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert [rows for rows, equal in steps if not equal] == []
+    assert llm.engine.core.executor.runner.lean.native.steps >= 5 and 16 in {rows for rows, _ in steps}
+
+
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256)

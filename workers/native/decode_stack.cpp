@@ -1,8 +1,9 @@
 // The decoder layers of a decode step as one C++ call (workers/native_decode.py).
 //
 // It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
-// except the rotary embedding, one loop here that rounds as ATen's eight calls do; so its
-// logits are bitwise the lean forward's and the model's own. What it takes away is Python:
+// except the rotary embedding, one loop here that rounds as ATen's eight calls do, and a
+// batch's norms, split by rows between the threads (the same calls per chunk, rounding
+// alike); so its logits are bitwise the lean forward's and the model's own. What it takes away is Python:
 // the lean forward makes ~30 torch calls per layer from Python, each paying argument parsing
 // and dispatch from the interpreter, and on a CPU that is most of a one-row step of a small
 // model.
@@ -20,7 +21,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <functional>
 #include <vector>
 
 #include "decode_attention.h"
@@ -37,7 +37,7 @@ enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNati
 
 bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
 
-// Steps of at least this many rows split their norms and gated activations between threads.
+// Steps of at least this many rows split their norms between the threads (norm, below).
 constexpr int64_t kRowsToSplit = 4;
 
 struct Product {
@@ -195,7 +195,7 @@ class DecodeStack : public torch::CustomClassHolder {
       x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
       h = norm(x, layer.post_attention_norm, layer.post_attention_eps);
       std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
-      x = x + products(layer.groups[3], gated(gate_up[0], gate_up[1]))[0];
+      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
     }
     return x;
   }
@@ -249,34 +249,22 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // Each row's norm and gated activation are computed on their own, and ATen's small calls run
-  // on one thread: a batch's rows are split between the threads, each chunk making the same
-  // ATen calls (bitwise the whole batch's: tests/test_lean_decoder.py compares every step).
-  static at::Tensor by_row_chunks(const at::Tensor& like, int64_t columns,
-                                  const std::function<at::Tensor(int64_t, int64_t)>& compute) {
-    const int64_t rows = like.size(0);
-    if (rows < kRowsToSplit) return compute(0, rows);
-    at::Tensor out = at::empty({rows, columns}, like.options());
+  // RMSNorm, with a batch's rows split between the threads (ATen runs such a small call on one
+  // thread), each chunk making the same ATen calls. Bitwise the whole batch's: a norm reduces
+  // within a row, and its elementwise ops (square, add, rsqrt as 1 / sqrt, multiplies) round
+  // alike on any split. (Not so silu, whose exp is vectorized for whole blocks and scalar for
+  // their tails: split by rows, some elements would round differently; it stays one call.)
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const int64_t rows = x.size(0), hidden = x.size(1);
+    if (rows < kRowsToSplit || at::get_num_threads() < 2) return at::rms_norm(x, {hidden}, weight, eps);
+    at::Tensor out = at::empty({rows, hidden}, x.options());
     // The calling thread's state (inference mode among it) for the ATen calls on the others.
     const at::ThreadLocalState state;
     at::parallel_for(0, rows, kRowsToSplit / 2, [&](int64_t first, int64_t last) {
       const at::ThreadLocalStateGuard guard(state);
-      out.slice(0, first, last).copy_(compute(first, last));
+      out.slice(0, first, last).copy_(at::rms_norm(x.slice(0, first, last), {hidden}, weight, eps));
     });
     return out;
-  }
-
-  static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-    const int64_t hidden = x.size(1);
-    return by_row_chunks(x, hidden, [&](int64_t first, int64_t last) {
-      return at::rms_norm(x.slice(0, first, last), {hidden}, weight, eps);
-    });
-  }
-
-  static at::Tensor gated(const at::Tensor& gate, const at::Tensor& up) {
-    return by_row_chunks(gate, gate.size(1), [&](int64_t first, int64_t last) {
-      return at::silu(gate.slice(0, first, last)) * up.slice(0, first, last);
-    });
   }
 
   // The most rows a 4-bit kind takes (cpu_int4.Int4Product.max_rows); more take the batched copy.

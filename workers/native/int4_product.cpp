@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "int4_product.h"
 
