@@ -2,10 +2,11 @@
 
 Over the default model's 210 linear layers' shapes as a decode step calls them, 120 products
 (SmolLM2-135M: per layer q/k/v fused 576 -> 960, o 576 -> 576, gate/up fused 576 -> 3072, down
-1536 -> 576), each its own weights, so a pass reads them from memory as a decode step does. For each row count: the native VNNI kernel
-(workers/native/int4_product.cpp, where this CPU has it), torch's `_weight_int4pack_mm_for_cpu`
-and oneDNN's bfloat16 product of the same weights (what larger steps use); each pass calls the
-210 products from Python, the three kinds taking turns, best of the repetitions.
+1536 -> 576), each its own weights, so a pass reads them from memory as a decode step does.
+For each row count: the native VNNI kernel (workers/native/int4_product.cpp, where this CPU has
+it), torch's `_weight_int4pack_mm_for_cpu` and oneDNN's bfloat16 product of the same weights
+(what larger steps use); each pass calls the 120 products from Python, the three kinds taking
+turns, best of the repetitions.
 
     python benchmarks/int4_kernels.py [--rows 1 8 16 32] [--reps 5]
 """

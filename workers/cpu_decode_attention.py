@@ -2,8 +2,8 @@
 context from the paged KV cache in place (workers/native/decode_attention.cpp), instead of
 gathering it and running SDPA over the padded batch (paged_attention.decode_attention).
 
-It is ~5x faster for a batch of 16 rows and ~2x for one (`python
-benchmarks/decode_attention.py`), but not bitwise SDPA's, so exact mode never takes it. It
+Per layer it is 1.8-8x faster than gather + SDPA (`python benchmarks/decode_attention.py`),
+but not bitwise SDPA's, so exact mode never takes it. It
 serves the models whose 4-bit layers run the native kernel: those waited for the library when
 they loaded, so their attention computes the same way from the first step to the last. (bf16
 and int8 models start serving before the library is built; switching kernels under a running

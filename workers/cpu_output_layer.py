@@ -19,10 +19,11 @@ A step whose rows are all plain greedy (`greedy_step`: argmax, nothing else read
 the 4-bit kernel's max_rows (cpu_int4.py: 8 or 32) needs only each row's winner: there the
 candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: with torch's
 kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits
-are set to -inf, and the winner is the float32 maximum over the candidates. It differs from the bfloat16 path's only if the
-float32 winner is not among the 4-bit copy's 32 highest logits: at none of the 865 positions
-of benchmarks/data/english.txt on the default model (tests/test_cpu_int4.py). The copy is lossy
-(the default model's output matrix is 8-bit in its GGUF file), which is why it only picks.
+are set to -inf, and the winner is the float32 maximum over the candidates. It differs from
+the bfloat16 path's only if the float32 winner is not among the 4-bit copy's 32 highest
+logits: at none of the 865 positions of benchmarks/data/english.txt on the default model
+(tests/test_cpu_int4.py). The copy is lossy (the default model's output matrix is 8-bit in
+its GGUF file), which is why it only picks.
 """
 
 from __future__ import annotations

@@ -87,6 +87,13 @@ struct Partition {
   int64_t length;
 };
 
+// One head's row of CHUNKS * 16 floats into registers.
+template <int CHUNKS>
+AVX512_TARGET inline void load_row(const float* row, __m512* out) {
+  #pragma GCC unroll 16
+  for (int c = 0; c < CHUNKS; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
+}
+
 // HEADS query heads over one partition: for each head, the largest score, the sum of the
 // exponentials, and the unnormalised weighted values, for CHUNKS * 16 = head_dim.
 template <int CHUNKS, int HEADS>
@@ -96,9 +103,7 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
   const int64_t length = part.length;
   __m512 query[HEADS][CHUNKS];
   #pragma GCC unroll 16
-  for (int h = 0; h < HEADS; ++h)
-    #pragma GCC unroll 16
-    for (int c = 0; c < CHUNKS; ++c) query[h][c] = _mm512_loadu_ps(queries[h] + 16 * c);
+  for (int h = 0; h < HEADS; ++h) load_row<CHUNKS>(queries[h], query[h]);
   #pragma GCC unroll 16
   for (int h = 0; h < HEADS; ++h) largest[h] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < length; ++j) {
@@ -112,10 +117,8 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
         _mm_prefetch(reinterpret_cast<const char*>(values + ahead + 16 * c), _MM_HINT_T1);
       }
     }
-    const float* key = keys + part.offsets[j];
     __m512 k[CHUNKS];
-    #pragma GCC unroll 16
-    for (int c = 0; c < CHUNKS; ++c) k[c] = _mm512_loadu_ps(key + 16 * c);
+    load_row<CHUNKS>(keys + part.offsets[j], k);
     #pragma GCC unroll 16
     for (int h = 0; h < HEADS; ++h) {
       __m512 dot = _mm512_mul_ps(query[h][0], k[0]);
@@ -146,10 +149,8 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
     #pragma GCC unroll 16
     for (int c = 0; c < CHUNKS; ++c) sum[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < length; ++j) {
-    const float* value = values + part.offsets[j];
     __m512 v[CHUNKS];
-    #pragma GCC unroll 16
-    for (int c = 0; c < CHUNKS; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    load_row<CHUNKS>(values + part.offsets[j], v);
     #pragma GCC unroll 16
     for (int h = 0; h < HEADS; ++h) {
       const __m512 weight = _mm512_set1_ps(scores[h * kPartition + j]);

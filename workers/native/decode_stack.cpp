@@ -3,10 +3,10 @@
 // It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
 // except the rotary embedding, one loop here that rounds as ATen's eight calls do, and a
 // batch's norms, split by rows between the threads (the same calls per chunk, rounding
-// alike); so its logits are bitwise the lean forward's and the model's own. What it takes away is Python:
-// the lean forward makes ~30 torch calls per layer from Python, each paying argument parsing
-// and dispatch from the interpreter, and on a CPU that is most of a one-row step of a small
-// model.
+// alike); so its logits are bitwise the lean forward's and the model's own. What it takes
+// away is Python: the lean forward makes ~30 torch calls per layer from Python, each paying
+// argument parsing and dispatch from the interpreter, and on a CPU that is most of a one-row
+// step of a small model.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths; any lengths where the native decode attention serves, which the Python
