@@ -29,17 +29,19 @@ def native_decode_stack():
 
 
 @pytest.fixture(autouse=True)
-def int4_kernel_decision():
-    """The process's 4-bit kernel decision (native_decode.int4_product_available) as it was before
-    each test: a test that turns the native library off must not decide it for the tests after."""
+def native_kernel_decisions():
+    """The process's native kernel decisions (native_decode.int4_product_available and
+    float32_product_available) as they were before each test: a test that turns the native
+    library off must not decide them for the tests after."""
     from workers import native_decode
 
-    saved = native_decode._state.get("int4_product")
+    saved = {kernel: native_decode._state.get(kernel) for kernel in ("int4_product", "float32_product")}
     yield
-    if saved is None:
-        native_decode._state.pop("int4_product", None)
-    else:
-        native_decode._state["int4_product"] = saved
+    for kernel, decision in saved.items():
+        if decision is None:
+            native_decode._state.pop(kernel, None)
+        else:
+            native_decode._state[kernel] = decision
 
 
 @pytest.fixture(scope="session")

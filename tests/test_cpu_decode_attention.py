@@ -142,14 +142,15 @@ def test_bad_blocks_lengths_and_shapes_are_refused():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_engine_attends_natively_as_it_does_with_sdpa(tiny_checkpoints, arch, monkeypatch):
-    """Every step computed twice, SDPA then the native kernel, on float32 layers (exact mode,
-    the kernel forced on) so that only the attention differs: prefill chunks beside decodes of
+    """Every step computed twice, SDPA then the native kernel, on float32 layers (exact mode)
+    so that only the attention differs: prefill chunks beside decodes of
     other lengths, prefix-cache hits, 1-12-row decode steps in the C++ stack. The runner's
     block tables and lengths must give the contexts SDPA's slots give (a position more or less
     moves the logits by ~1e-2)."""
     llm = LLM(str(tiny_checkpoints[arch]), num_kv_blocks=256, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
-    assert not runner.native_attention  # exact mode keeps SDPA
+    # Exact mode attends natively where its float32 products are native.
+    assert runner.native_attention == native_decode.float32_product_available()
     forward = ModelRunner._forward
     steps = []
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.reference import hf_greedy
-from workers import cpu_linear
+from workers import cpu_linear, native_decode
+from workers.cpu_float32_linear import Float32Linear
 from workers.cpu_int4 import Int4Linear
 from workers.cpu_linear import PackedLinear, prepare_linear_layers, resolve_quantization
 from workers.cpu_output_layer import RescoredOutputLayer
@@ -65,8 +66,9 @@ def test_every_linear_is_converted_and_the_output_matrix_keeps_float32_weights(t
     assert embedding.dtype == torch.float32
     # Exact mode: a float32 output matrix. The others: bfloat16 with each row's top candidates
     # recomputed in float32 from the float weights (the embedding table when tied), never a copy.
+    exact_layer = Float32Linear if native_decode.float32_product_available() else PackedLinear
     if mode == "none":
-        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.float32
+        assert isinstance(model.lm_head, exact_layer) and model.lm_head.weight.dtype == torch.float32
     else:
         assert isinstance(model.lm_head, RescoredOutputLayer)
         exact = model.lm_head.exact_weight
@@ -78,18 +80,26 @@ def test_every_linear_is_converted_and_the_output_matrix_keeps_float32_weights(t
     elif mode == "int8":
         from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
         assert isinstance(body, DynamicQuantizedLinear)
+    elif mode == "none":
+        assert isinstance(body, exact_layer)
     else:
-        assert isinstance(body, PackedLinear)
-        assert body.dtype == (torch.float32 if mode == "none" else torch.bfloat16)
+        assert isinstance(body, PackedLinear) and body.dtype == torch.bfloat16
     outputs = llm.generate([[5, 9, 2, 7, 11], [3, 3, 8]],
                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.token_ids) for o in outputs] == [6, 6]
 
 
-def test_exact_mode_with_packed_linears_matches_transformers(tiny_llama):
+@pytest.mark.parametrize("kernel", ["native", "onednn"])
+def test_exact_mode_matches_transformers_on_either_float32_kernel(tiny_llama, kernel):
+    """The native float32 product where the CPU runs it, oneDNN's packed one elsewhere (the
+    decision forced off here; conftest restores it after the test)."""
+    if kernel == "native" and not native_decode.float32_product_available():
+        pytest.skip("the native float32 product needs AVX-512F and the native library")
+    if kernel == "onednn":
+        native_decode._state["float32_product"] = False
     prompt = [5, 9, 2, 7, 11, 4, 4, 19]
     llm = LLM(str(tiny_llama), quantization="none", num_kv_blocks=64)
-    assert isinstance(llm.engine.core.executor.model.lm_head, PackedLinear)
+    assert isinstance(llm.engine.core.executor.model.lm_head, Float32Linear if kernel == "native" else PackedLinear)
     [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert output.token_ids == hf_greedy(tiny_llama, prompt, 16)
 

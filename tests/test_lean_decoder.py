@@ -98,6 +98,13 @@ def quantization(mode: str, monkeypatch) -> str:
     return mode
 
 
+def attends_natively(mode: str) -> bool:
+    """Whether a mode's decode rows take the native decode attention: where its layers run a
+    native product (cpu_decode_attention.serves)."""
+    return ((mode == "int4" and native_decode.int4_product_available())
+            or (mode == "none" and native_decode.float32_product_available()))
+
+
 def assert_int4_kernel(runner, mode: str) -> None:
     """The 4-bit layers of an "int4" mode run the kernel it names: the native one wherever this
     CPU has it, torch's for "int4-torch"."""
@@ -118,8 +125,8 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
               max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     assert_int4_kernel(runner, mode)
-    # Where the 4-bit layers are native, both forwards attend with the native decode attention.
-    assert runner.native_attention == (mode == "int4" and native_decode.int4_product_available())
+    # Where the layers' products are native, both forwards attend with the native decode attention.
+    assert runner.native_attention == attends_natively(mode)
     steps = run_both_forwards(monkeypatch, llm)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -147,9 +154,9 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
     # Decode steps of 1 to 12 rows went through the C++ stack (prefill chunks did not): with
-    # the native decode attention where the 4-bit layers are native, else SDPA, some reading a
+    # the native decode attention where the products are native, else SDPA, some reading a
     # lone row's context in place.
-    native_attention = mode == "int4" and native_decode.int4_product_available()
+    native_attention = attends_natively(mode)
     assert runner.native_attention == native_attention
     if native_attention:
         assert runner.lean.native.native_attention == runner.lean.native.steps > 20

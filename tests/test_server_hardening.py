@@ -210,8 +210,9 @@ def test_deeply_nested_or_undecodable_json_is_a_400(server):
 # ---- admission queue ------------------------------------------------------------------------
 
 async def test_requests_beyond_the_batch_wait_in_the_queue_and_past_it_get_429_with_retry_after(server):
-    tasks = [asyncio.create_task(asyncio.to_thread(chat, server, {**LONG, "max_tokens": 60}))
-             for _ in range(CAPACITY)]
+    # 400 tokens each: all four must still hold their slots when the fifth comes (with 60, the
+    # first two could finish before the last two were admitted, on a faster exact mode).
+    tasks = [asyncio.create_task(asyncio.to_thread(chat, server, LONG)) for _ in range(CAPACITY)]
     assert await asyncio.to_thread(wait_for, lambda: server.metric("antiphon_request_slots_held") == CAPACITY)
     over = urllib.request.Request(
         server.url + "/v1/chat/completions", data=json.dumps({"messages": HELLO, "max_tokens": 2}).encode(),

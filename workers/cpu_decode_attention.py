@@ -3,22 +3,26 @@ context from the paged KV cache in place (workers/native/decode_attention.cpp), 
 gathering it and running SDPA over the padded batch (paged_attention.decode_attention).
 
 Per layer it is 1.8-8x faster than gather + SDPA (`python benchmarks/decode_attention.py`),
-but not bitwise SDPA's, so exact mode never takes it. It
-serves the models whose 4-bit layers run the native kernel: those waited for the library when
-they loaded, so their attention computes the same way from the first step to the last. (bf16
-and int8 models start serving before the library is built; switching kernels under a running
-request would move its numbers mid-answer.)
+float32 throughout, within float32 rounding of SDPA but not bitwise SDPA's. It serves the
+models whose layers run a native product, 4-bit (cpu_int4.py) or exact mode's float32
+(cpu_float32_linear.py): those waited for the library when they loaded, so their attention
+computes the same way from the first step to the last. (bf16 and int8 models start serving
+before the library is built; switching kernels under a running request would move its
+numbers mid-answer.) Exact mode's claim, greedy tokens equal to transformers', holds with it:
+the test suite runs in exact mode.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.cpu_float32_linear import Float32Linear
 from workers.cpu_int4 import Int4Linear
 
 
 def serves(model: torch.nn.Module, head_dim: int) -> bool:
-    if not any(isinstance(module, Int4Linear) and module.int4.native for module in model.modules()):
+    if not any(isinstance(module, Float32Linear) or (isinstance(module, Int4Linear) and module.int4.native)
+               for module in model.modules()):
         return False
     return bool(torch.ops.antiphon_cpu.decode_attention_supported(head_dim))
 

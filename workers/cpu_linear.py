@@ -5,10 +5,10 @@ matrix from memory, so tokens/s is set by how many bytes the weights take and ho
 kernel streams them. The modes of `--quantization` (numbers: README, benchmarks/cpu_peers.py
 and benchmarks/perplexity.py):
 
-- "none" (exact): float32 weights repacked into oneDNN's blocked layout. Same math as
-  `F.linear`; only the order of the additions differs, at rounding level, as it already
-  does between batch sizes. 1.5x faster than `F.linear` for one row here (1.8x for the
-  output matrix), 1.4x for a 500-token prefill.
+- "none" (exact): float32 weights on Antiphon's own float32 product where the CPU has
+  AVX-512F (cpu_float32_linear.py: 2x oneDNN's for one row here), else repacked into oneDNN's
+  blocked layout (1.5x faster than `F.linear` for one row, 1.4x for a 500-token prefill).
+  Same math as `F.linear`; only the order of the additions differs, at rounding level.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
   rounds the product to bfloat16 too; the bias is added in float32. Half the bytes; fast
   only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Perplexity within
@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from engine.config import QUANTIZATION_MODES
+from workers.cpu_float32_linear import Float32Linear, can_tile
 from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
 from workers.cpu_output_layer import RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
@@ -101,19 +102,20 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
 
 def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: bool = False) -> dict[str, int]:
     """Replace every float32 nn.Linear of `model` (on CPU) by its fast form; returns how many
-    layers became what. Mode "none" without oneDNN keeps the layers as they are.
+    layers became what. Mode "none" without the native float32 product or oneDNN keeps the
+    layers as they are.
 
     `int4_where_exact` (what `auto` asks for): a layer whose weights already lie on the 4-bit
     grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit with no loss in its
     codes; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
     output matrix is bfloat16 with its top candidates recomputed in float32
-    (cpu_output_layer.py); otherwise it is float32, packed."""
+    (cpu_output_layer.py); otherwise it is float32 (in exact mode like the other layers)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     counts: dict[str, int] = {}
-    if mode == "none" and not can_pack():
+    if mode == "none" and not can_pack() and not native_float32_available():
         return counts
-    convert = {"none": PackedLinear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
+    convert = {"none": float32_linear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
                "int8": int8_linear, "int4": int4_linear}[mode]
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = [name for name, module in model.named_modules()
@@ -125,9 +127,11 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if module is output_layer and can_pack():
+        if module is output_layer and (can_pack() or mode == "none"):
             # Emulated bfloat16 would be slower than float32 (cpu_has_native_bf16).
-            if mode == "none" or not cpu_has_native_bf16():
+            if mode == "none":
+                replacement = float32_linear(module)
+            elif not cpu_has_native_bf16():
                 replacement = PackedLinear(module)
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
@@ -141,6 +145,22 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         counts[kind] = counts.get(kind, 0) + 1
         del module
     return counts
+
+
+def native_float32_available() -> bool:
+    """Whether exact mode's layers take the native float32 product (waits for the library's
+    build on a first start: native_decode.float32_product_available)."""
+    from workers import native_decode  # here: native_decode imports this module
+
+    return native_decode.float32_product_available()
+
+
+def float32_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """Exact mode's layer: the native float32 product where it runs, else oneDNN's (or, without
+    oneDNN, the layer as it is)."""
+    if can_tile(linear) and native_float32_available():
+        return Float32Linear(linear)
+    return PackedLinear(linear) if can_pack() else linear
 
 
 def int4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -159,6 +179,8 @@ def describe(layer: torch.nn.Module) -> str:
         return "int4"
     if isinstance(layer, RescoredOutputLayer):
         return "output bf16 (top candidates float32)"
+    if isinstance(layer, Float32Linear):
+        return "float32 (native product)"
     if isinstance(layer, PackedLinear):
         return "float32" if layer.dtype == torch.float32 else "bf16"
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear

@@ -12,7 +12,8 @@ the same values in the same order, and leaves out what computes nothing:
   and 4-bit modes, instead of making one each (the copy is the same every time);
 - the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
   workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows
-  4-bit, the bias added in float32 after the product).
+  4-bit, the bias added in float32 after the product); the native float32 product
+  (workers/cpu_float32_linear.py) is its module's one kernel call.
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
 every mode is covered. Only model classes whose forward this one mirrors take it
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from workers import cpu_int4, native_decode
+from workers.cpu_float32_linear import Float32Linear
 from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
@@ -261,6 +263,8 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
     linear_pointwise = torch.ops.mkldnn._linear_pointwise
     if kind == native_decode.FLOAT32_PRODUCT:
         return lambda x, rounded: linear_pointwise(x, weight, bias, "none", [], "")
+    if kind == native_decode.NATIVE_FLOAT32_PRODUCT:
+        return lambda x, rounded: linear(x)
     if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
         int4 = linear.int4
 
@@ -287,4 +291,6 @@ def _native_product(linear: torch.nn.Module) -> tuple | None:
     if isinstance(linear, PackedLinear):
         kind = native_decode.BF16_PRODUCT if linear.dtype == torch.bfloat16 else native_decode.FLOAT32_PRODUCT
         return kind, linear.packed_weight, None, None, linear.bias
+    if isinstance(linear, Float32Linear):
+        return native_decode.NATIVE_FLOAT32_PRODUCT, linear.tiled, None, None, linear.bias
     return None

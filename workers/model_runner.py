@@ -107,7 +107,7 @@ class ModelRunner:
         if self.lean is not None:
             self.lean.attach_native(self.kv_caches)
         # Decode rows attend with the native kernel (read in place, any lengths in one group)
-        # where the model's 4-bit layers run natively: workers/cpu_decode_attention.py.
+        # where the model's layers run a native product: workers/cpu_decode_attention.py.
         self.native_attention = (not self.use_kernels and self.device.type == "cpu"
                                  and cpu_decode_attention.serves(model, cache_shape.head_dim))
         self.requests: dict[str, RunnerRequest] = {}

@@ -6,15 +6,17 @@ of the step. The C++ stack makes the same ATen calls in the same order (the rota
 as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
 interpreter between them.
 
-The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py) and the
-decode attention that reads the paged cache in place (native/decode_attention.cpp,
+The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py), exact
+mode's float32 product (native/float32_product.cpp, cpu_float32_linear.py) and the decode
+attention that reads the paged cache in place (native/decode_attention.cpp,
 cpu_decode_attention.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
 background thread waits for: until it is ready, and wherever it cannot be built, steps take
 the Python forward, which computes the same. A model with 4-bit layers on a CPU with AVX-512
-VNNI waits for it at load instead (int4_product_available: a layer's kernel is chosen once).
+VNNI, or with float32 layers on one with AVX-512F, waits for it at load instead
+(int4_product_available, float32_product_available: a layer's kernel is chosen once).
 Later starts load the built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it
 off.
 """
@@ -41,8 +43,9 @@ from workers.cpu_linear import cpu_flags
 logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp"]
-HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h"]
+SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp",
+           NATIVE / "float32_product.cpp"]
+HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
@@ -57,15 +60,19 @@ LDFLAGS = ["-fopenmp"]
 KEPT_LIBRARIES = 4
 
 # Product kinds, as decode_stack.cpp's ProductKind: 4-bit with torch's kernel or the native one
-# (cpu_int4.Int4Product), oneDNN-packed bfloat16 or float32.
-INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT = 0, 1, 2, 3
-# How long loading a 4-bit model waits for the library (a first build takes ~15-40 s here),
-# well inside the engine's worker start timeout; past it, torch's kernel serves.
+# (cpu_int4.Int4Product), oneDNN-packed bfloat16 or float32, and the native float32 product
+# (cpu_float32_linear.py).
+INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT, NATIVE_FLOAT32_PRODUCT = 0, 1, 2, 3, 4
+# How long loading a model whose layers take a native product waits for the library (a first
+# build takes ~15-40 s here), well inside the engine's worker start timeout; past it, torch's
+# kernels serve.
 INT4_BUILD_WAIT_SECONDS = 240
 # A build running longer is killed (with its compilers) and counts as failed.
 BUILD_TIMEOUT_SECONDS = 900
 # What the native 4-bit product needs (int4_product.cpp), as /proc/cpuinfo names the flags.
 INT4_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+# And the native float32 product (float32_product.cpp).
+FLOAT32_CPU_FLAGS = {"avx512f"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not started"}  # -> "building" -> "ready" | "failed"
@@ -115,33 +122,44 @@ def is_ready() -> bool:
 
 
 def int4_product_available(wait: bool = True) -> bool:
-    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): the CPU has AVX-512
-    VNNI, the library loads, and the process holds one OpenMP runtime. A layer picks its
-    kernel once, when the model loads, so that its numbers never change while it serves; so
-    the first call waits for the build (a first start compiles it, once per machine and
-    version), and its answer holds for the process. `wait=False` (for parts that may take
-    either kernel, like the greedy candidates' copy): the answer already given, else whether
-    the library is loaded now, without waiting or deciding."""
-    if "int4_product" in _state:
-        return bool(_state["int4_product"])
-    if not enabled() or not INT4_CPU_FLAGS <= cpu_flags():
+    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): see _native_product_available."""
+    return _native_product_available("int4_product", INT4_CPU_FLAGS, "the 4-bit layers", wait)
+
+
+def float32_product_available(wait: bool = True) -> bool:
+    """Whether exact mode's float32 layers use the native product (float32_product.cpp): see
+    _native_product_available."""
+    return _native_product_available("float32_product", FLOAT32_CPU_FLAGS, "the float32 layers", wait)
+
+
+def _native_product_available(kernel: str, flags: set[str], layers: str, wait: bool) -> bool:
+    """Whether layers use the native `kernel`: the CPU has `flags`, the library loads, and the
+    process holds one OpenMP runtime. A layer picks its kernel once, when the model loads, so
+    that its numbers never change while it serves; so the first call waits for the build (a
+    first start compiles it, once per machine and version), and its answer holds for the
+    process. `wait=False` (for parts that may take either kernel, like the greedy candidates'
+    copy): the answer already given, else whether the library is loaded now, without waiting
+    or deciding."""
+    if kernel in _state:
+        return bool(_state[kernel])
+    if not enabled() or not flags <= cpu_flags():
         return False
     if not wait:
-        return is_ready() and _int4_product_usable()
+        return is_ready() and _kernel_usable(kernel)
     if not is_ready() and not library_path().exists():
-        logger.info("the 4-bit layers wait for the native CPU kernels: their kernel is chosen once, at load")
-    _state["int4_product"] = wait_until_built(INT4_BUILD_WAIT_SECONDS) and _int4_product_usable()
-    return bool(_state["int4_product"])
+        logger.info("%s wait for the native CPU kernels: their kernel is chosen once, at load", layers)
+    _state[kernel] = wait_until_built(INT4_BUILD_WAIT_SECONDS) and _kernel_usable(kernel)
+    return bool(_state[kernel])
 
 
-def _int4_product_usable() -> bool:
-    if not torch.ops.antiphon_cpu.int4_product_supported():
+def _kernel_usable(kernel: str) -> bool:
+    if not getattr(torch.ops.antiphon_cpu, f"{kernel}_supported")():
         return False
     # The library links libgomp by its soname and so shares the one torch loaded; a torch built
     # with another OpenMP runtime would give the kernel threads of its own beside torch's.
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
-        logger.warning("two OpenMP runtimes loaded (%s): 4-bit layers use torch's kernel", ", ".join(sorted(runtimes)))
+        logger.warning("two OpenMP runtimes loaded (%s): the layers use torch's kernels", ", ".join(sorted(runtimes)))
         return False
     return True
 
@@ -167,8 +185,8 @@ def _build() -> None:
     try:
         library = library_path()
         if not library.exists():
-            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit product, decode attention) "
-                        "for this CPU (first start only, ~15-40 s)")
+            logger.info("compiling the native CPU kernels (C++ decode step, 4-bit and float32 products, decode "
+                        "attention) for this CPU (first start only, ~15-40 s)")
             _run_builder(library)
         try:
             torch.ops.load_library(str(library))

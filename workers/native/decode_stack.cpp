@@ -11,8 +11,9 @@
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths; any lengths where the native decode attention serves, which the Python
 // forwards then call too: cpu_decode_attention.py), the layers' products being 4-bit
-// (cpu_int4.py: torch's kernel or int4_product.cpp's) or oneDNN-packed (cpu_packed_linear.py)
-// and their norms fused (fused_rms_norm.py). Everything else takes the Python forward.
+// (cpu_int4.py: torch's kernel or int4_product.cpp's), oneDNN-packed (cpu_packed_linear.py) or
+// float32 on float32_product.cpp (cpu_float32_linear.py), and their norms fused
+// (fused_rms_norm.py). Everything else takes the Python forward.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "float32_product.h"
 #include "int4_product.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
@@ -33,7 +35,7 @@
 namespace {
 
 // How a product is computed, mirroring lean_decoder._product (native_decode.py's kinds).
-enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3 };
+enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3, kNativeFloat = 4 };
 
 bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
 
@@ -42,7 +44,7 @@ constexpr int64_t kRowsToSplit = 4;
 
 struct Product {
   int64_t kind;
-  at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight
+  at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight; kNativeFloat: tiled
   at::Tensor scales;  // 4-bit kinds only: torch's scales and zeros, or the native scales and minimums
   at::Tensor batched; // 4-bit kinds only: the bfloat16 oneDNN copy for more rows
   c10::optional<at::Tensor> bias;
@@ -203,8 +205,7 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind == kInt4 || kind == kPackedBf16 || kind == kPackedFloat || kind == kNativeInt4,
-                "unknown product kind ", kind);
+    TORCH_CHECK(kind >= kInt4 && kind <= kNativeFloat, "unknown product kind ", kind);
     TORCH_CHECK(!is_int4(kind) || (scales.has_value() && batched.has_value()),
                 "a 4-bit product needs its scales and its batched copy");
     return Product{kind, std::move(weight), scales.value_or(at::Tensor()), batched.value_or(at::Tensor()),
@@ -292,6 +293,13 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const Product& p : group.parts) {
       if (p.kind == kPackedFloat) {
         out.push_back(linear_pointwise(x, p.weight, p.bias));
+        continue;
+      }
+      if (p.kind == kNativeFloat) {
+        at::Tensor y = float32_product(x, p.weight);
+        // In place, as Float32Linear adds it.
+        if (p.bias.has_value()) y += *p.bias;
+        out.push_back(y);
         continue;
       }
       at::Tensor y;

@@ -1,0 +1,62 @@
+"""Exact mode's float32 linear layers on the native float32 product (native/float32_product.cpp).
+
+A decode step's products read every weight once and do two flops with it, so they go as fast
+as the weights stream from memory. oneDNN's packed float32 product (cpu_packed_linear.py)
+streamed the default model's layers at ~20 GB/s for one row; the native product lays each
+matrix out as one sequential stream per tile of 8 outputs and prefetches ahead in it, ~40
+GB/s here (`python benchmarks/float32_products.py`). It serves every row count, prefill
+included (there oneDNN is up to 1.3x faster, but a second copy of the weights would double
+exact mode's memory), so a row's result never depends on its batch.
+
+Its arithmetic is float32 products summed in another order than `F.linear`'s (chains of
+fused multiply-adds 16 lanes wide, then the lanes): differences at rounding level, as between
+any two GEMM kernels, oneDNN's included. Exact mode's claim, greedy tokens equal to
+transformers', is tested with it (tests/test_greedy_parity.py and the rest of the suite run
+in this mode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The kernel's tile: 8 outputs, inputs in chunks of 16 (float32_product.cpp's layout).
+TILE_OUTPUTS = 8
+CHUNK_INPUTS = 16
+
+
+def can_tile(linear: torch.nn.Linear) -> bool:
+    """Whole tiles of outputs (every layer of the models served here; others stay oneDNN's)."""
+    return linear.out_features % TILE_OUTPUTS == 0 and linear.out_features > 0
+
+
+def tile_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> float32 [N/8, ceil(K/16), 8, 16], zero past K (the kernel's layout)."""
+    n, k = weight.shape
+    chunks = -(-k // CHUNK_INPUTS)
+    padded = torch.nn.functional.pad(weight.detach().float(), (0, chunks * CHUNK_INPUTS - k))
+    return padded.view(n // TILE_OUTPUTS, TILE_OUTPUTS, chunks, CHUNK_INPUTS).transpose(1, 2).contiguous()
+
+
+class Float32Linear(torch.nn.Module):
+    """`nn.Linear` in float32 on the native product. The bias is added after the product."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        if not hasattr(torch.ops.antiphon_cpu, "float32_product"):
+            raise RuntimeError("the native float32 product is not loaded (see native_decode.float32_product_available)")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Plain attributes, not buffers: see Int4Linear (read ~200 times per token).
+        self.tiled = tile_weight(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self._kernel = torch.ops.antiphon_cpu.float32_product.default
+        # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
+        self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._kernel(x.reshape(-1, self.in_features), self.tiled)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float32, native product"
