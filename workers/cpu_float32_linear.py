@@ -4,9 +4,10 @@ A decode step's products read every weight once and do two flops with it, so the
 as the weights stream from memory. oneDNN's packed float32 product (cpu_packed_linear.py)
 streamed the default model's layers at ~20 GB/s for one row; the native product lays each
 matrix out as one sequential stream per tile of 8 outputs and prefetches ahead in it, ~40
-GB/s here (`python benchmarks/float32_products.py`). It serves every row count, prefill
-included (there oneDNN is up to 1.3x faster, but a second copy of the weights would double
-exact mode's memory), so a row's result never depends on its batch.
+GB/s here (`python benchmarks/float32_products.py`). Up to 255 rows a row's result does not
+depend on its batch; steps of 256 rows or more (long prefill chunks, where oneDNN's blocking is
+1.3x faster) take oneDNN's product on a plain copy of the weights made for the call (a second
+copy kept beside the tiles would double exact mode's memory).
 
 Its arithmetic is float32 products summed in another order than `F.linear`'s (chains of
 fused multiply-adds 16 lanes wide, then the lanes): differences at rounding level, as between

@@ -18,7 +18,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -68,16 +67,6 @@ struct Layer {
   at::Tensor key_cache, value_cache;
   std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
 };
-
-at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
-                                         c10::optional<c10::string_view>)>();
-  static const c10::List<c10::optional<at::Scalar>> no_scalars;
-  return op.call(x, weight, bias, "none", no_scalars, c10::nullopt);
-}
 
 }  // namespace
 
@@ -292,7 +281,7 @@ class DecodeStack : public torch::CustomClassHolder {
     out.reserve(group.parts.size());
     for (const Product& p : group.parts) {
       if (p.kind == kPackedFloat) {
-        out.push_back(linear_pointwise(x, p.weight, p.bias));
+        out.push_back(onednn_linear(x, p.weight, p.bias));
         continue;
       }
       if (p.kind == kNativeFloat) {
@@ -306,7 +295,7 @@ class DecodeStack : public torch::CustomClassHolder {
       if (is_int4(p.kind) && rows <= max_rows(p.kind)) {
         y = int4(p, x, rounded);
       } else {
-        y = linear_pointwise(rounded, is_int4(p.kind) ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
+        y = onednn_linear(rounded, is_int4(p.kind) ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
       }
       out.push_back(p.bias.has_value() ? y + *p.bias : y);
     }

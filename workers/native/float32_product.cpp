@@ -18,11 +18,17 @@
 // float32 products summed in another order than F.linear's: rounding-level differences, as
 // between any two GEMM kernels.
 //
+// Steps of kRowsForOneDNN rows or more (long prefill chunks) are arithmetic-bound, where
+// oneDNN's blocking is 1.3x faster at 512 rows: they take oneDNN's product on a plain copy of
+// the weights made for the call (a second copy kept beside the tiles would double exact mode's
+// memory; the copy costs ~6% of such a step).
+//
 // x86-64 with AVX-512F only (per-function target, so the library still loads elsewhere);
 // elsewhere float32_product_supported() is false.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -32,7 +38,20 @@
 namespace {
 constexpr int64_t kOutputs = 8;  // outputs per tile
 constexpr int64_t kLanes = 16;   // inputs per chunk: one 512-bit register of floats
+// Measured over the default model's layers (benchmarks/float32_products.py): at 128 rows this
+// kernel and oneDNN on a copy are even, at 512 oneDNN is 1.28x faster.
+constexpr int64_t kRowsForOneDNN = 256;
 }  // namespace
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  static const c10::List<c10::optional<at::Scalar>> no_scalars;
+  return op.call(x, weight, bias, "none", no_scalars, c10::nullopt);
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ANTIPHON_FLOAT32_PRODUCT 1
@@ -130,6 +149,10 @@ at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor y = at::empty({rows, n}, input.options());
   if (rows == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
+  if (rows >= kRowsForOneDNN && at::hasMKLDNN()) {
+    const at::Tensor plain = weight.transpose(1, 2).reshape({n, -1}).narrow(1, 0, k).contiguous();
+    return onednn_linear(input, plain, c10::nullopt);
+  }
 #ifdef ANTIPHON_FLOAT32_PRODUCT
   const float* x_data = input.data_ptr<float>();
   const float* w_data = weight.data_ptr<float>();

@@ -8,3 +8,7 @@ bool float32_product_supported();
 
 // x [rows, inputs] float32, weight in the tiled layout of float32_product.cpp -> [rows, outputs].
 at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight);
+
+// oneDNN's linear (mkldnn::_linear_pointwise, no activation): x [rows, inputs], weight packed by
+// oneDNN or plain [outputs, inputs].
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
