@@ -1,7 +1,8 @@
 """Antiphon on a CPU against its peers, on the default model (SmolLM2-135M), in one run.
 
 Engines, taking turns within every repetition (this machine's speed drifts over minutes):
-  - Antiphon exact (--quantization none: float32, oneDNN-packed; greedy parity with transformers)
+  - Antiphon exact (--quantization none: float32 on the native float32 product where the CPU has
+    AVX-512F, else oneDNN-packed; greedy parity with transformers)
   - Antiphon default CPU mode (--quantization auto: what `antiphon serve` runs here)
   - llama.cpp through llama-cpp-python on the package's own Q4_1 GGUF, built from source into
     its own virtual environment under $ANTIPHON_CACHE/peers on first use (a few minutes; never
@@ -300,8 +301,9 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
     cold_engine, cold_native = fresh_process["cold"]
     warm_engine, warm_native = fresh_process["warm"]
     print(f"\nStartup of the default mode in a fresh process, imports included (`LLM()`), then until its "
-          f"native CPU kernels are loaded (a model with 4-bit layers, like the default one, waits for them "
-          f"inside `LLM()`; others build them on a background thread and run the Python forward meanwhile): "
+          f"native CPU kernels are loaded (a model with 4-bit layers, like the default one, or exact mode's float32 "
+          f"ones waits for them inside `LLM()`; bf16 and int8 build them on a background thread and run the "
+          f"Python forward meanwhile): "
           f"cold cache (an empty $ANTIPHON_CACHE: the model is converted from the package's GGUF file and the "
           f"kernels compiled) {cold_engine:.1f} s, kernels ready at {cold_native:.1f} s; warm cache "
           f"{warm_engine:.1f} s, kernels ready at {warm_native:.1f} s.")

@@ -87,7 +87,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
                        default=None,
-                       help="CPU linear layers: none is exact (float32, oneDNN-packed); bf16 halves the bytes read "
+                       help="CPU linear layers: none is exact (float32; own AVX-512 kernel, else oneDNN); bf16 halves the bytes read "
                             "(fast on CPUs with native bfloat16); int4 reads 4-bit weights for small batches (lossy "
                             "unless the checkpoint was 4-bit); int8 loses quality on small models; auto (default, or "
                             "$ANTIPHON_QUANTIZATION): where the CPU has native bfloat16, int4 for layers already on "

@@ -35,7 +35,7 @@ def native_kernel_decisions():
     library off must not decide them for the tests after."""
     from workers import native_decode
 
-    saved = {kernel: native_decode._state.get(kernel) for kernel in ("int4_product", "float32_product")}
+    saved = {kernel: native_decode._state.get(kernel) for kernel in native_decode.KERNELS}
     yield
     for kernel, decision in saved.items():
         if decision is None:

@@ -105,6 +105,15 @@ def attends_natively(mode: str) -> bool:
             or (mode == "none" and native_decode.float32_product_available()))
 
 
+def assert_float32_kernel(runner, mode: str) -> None:
+    """Exact mode's products run the native float32 product wherever this CPU has it, else oneDNN's."""
+    if mode != "none":
+        return
+    native = native_decode.float32_product_available()
+    kinds = {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts}
+    assert kinds == {native_decode.NATIVE_FLOAT32_PRODUCT if native else native_decode.FLOAT32_PRODUCT}
+
+
 def assert_int4_kernel(runner, mode: str) -> None:
     """The 4-bit layers of an "int4" mode run the kernel it names: the native one wherever this
     CPU has it, torch's for "int4-torch"."""
@@ -125,6 +134,7 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
               max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     assert_int4_kernel(runner, mode)
+    assert_float32_kernel(runner, mode)
     # Where the layers' products are native, both forwards attend with the native decode attention.
     assert runner.native_attention == attends_natively(mode)
     steps = run_both_forwards(monkeypatch, llm)
@@ -141,7 +151,7 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-biased"])
 def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
-    biases = dict(attention_bias=True, mlp_bias=True) if arch == "llama-biased" else {}
+    biases = dict(attention_bias=True, mlp_bias=True, random_biases=True) if arch == "llama-biased" else {}
     checkpoint = save_tiny_checkpoint(arch.split("-")[0], tmp_path / arch, hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256, **biases)
     llm = LLM(str(checkpoint), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
@@ -150,6 +160,7 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     fused = [group.fused is not None for layer in runner.lean.layers for group in (layer.qkv, layer.gate_up)]
     assert all(fused) if mode.startswith("int4") else not any(fused)
     assert_int4_kernel(runner, mode)
+    assert_float32_kernel(runner, mode)
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []

@@ -69,9 +69,17 @@ def build_model(arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **
     return model_class(config_class(**{**common, **family, **config}))
 
 
-def save_tiny_checkpoint(arch: str, folder: Path, **config) -> Path:
+def save_tiny_checkpoint(arch: str, folder: Path, random_biases: bool = False, **config) -> Path:
+    """`random_biases`: the linear layers' biases drawn at random (transformers initializes them
+    to zero, under which a kernel that drops or misplaces its bias would go unseen)."""
     tokenizer = build_tokenizer()
     model = build_model(arch, tokenizer, **config)
+    if random_biases:
+        generator = torch.Generator().manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                with torch.no_grad():
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

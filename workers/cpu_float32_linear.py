@@ -2,9 +2,9 @@
 
 A decode step's products read every weight once and do two flops with it, so they go as fast
 as the weights stream from memory. oneDNN's packed float32 product (cpu_packed_linear.py)
-streamed the default model's layers at ~20 GB/s for one row; the native product lays each
-matrix out as one sequential stream per tile of 8 outputs and prefetches ahead in it, ~40
-GB/s here (`python benchmarks/float32_products.py`). Up to 255 rows a row's result does not
+streamed the default model's layers at ~15-20 GB/s for one row; the native product lays each
+matrix out as one sequential stream per tile of 8 outputs and prefetches ahead in it, 1.4-2x
+faster here (`python benchmarks/float32_products.py`). Up to 255 rows a row's result does not
 depend on its batch; steps of 256 rows or more (long prefill chunks, where oneDNN's blocking is
 1.3x faster) take oneDNN's product on a plain copy of the weights made for the call (a second
 copy kept beside the tiles would double exact mode's memory).
@@ -26,16 +26,17 @@ CHUNK_INPUTS = 16
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:
-    """Whole tiles of outputs (every layer of the models served here; others stay oneDNN's)."""
-    return linear.out_features % TILE_OUTPUTS == 0 and linear.out_features > 0
+    """Whole tiles of outputs and whole chunks of inputs (every decoder layer of the usual
+    models; an output matrix whose vocabulary is not a multiple of 8 stays oneDNN's)."""
+    n, k = linear.out_features, linear.in_features
+    return n > 0 and k > 0 and n % TILE_OUTPUTS == 0 and k % CHUNK_INPUTS == 0
 
 
 def tile_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> float32 [N/8, ceil(K/16), 8, 16], zero past K (the kernel's layout)."""
+    """[N, K] -> float32 [N/8, K/16, 8, 16] (the kernel's layout), in one copy."""
     n, k = weight.shape
-    chunks = -(-k // CHUNK_INPUTS)
-    padded = torch.nn.functional.pad(weight.detach().float(), (0, chunks * CHUNK_INPUTS - k))
-    return padded.view(n // TILE_OUTPUTS, TILE_OUTPUTS, chunks, CHUNK_INPUTS).transpose(1, 2).contiguous()
+    tiles = weight.detach().float().view(n // TILE_OUTPUTS, TILE_OUTPUTS, k // CHUNK_INPUTS, CHUNK_INPUTS)
+    return tiles.transpose(1, 2).contiguous()
 
 
 class Float32Linear(torch.nn.Module):
@@ -43,8 +44,10 @@ class Float32Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        if not hasattr(torch.ops.antiphon_cpu, "float32_product"):
-            raise RuntimeError("the native float32 product is not loaded (see native_decode.float32_product_available)")
+        ops = torch.ops.antiphon_cpu
+        if not (hasattr(ops, "float32_product") and ops.float32_product_supported()):
+            raise RuntimeError("the native float32 product is not loaded or this CPU lacks AVX-512F "
+                               "(see native_decode.float32_product_available)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain attributes, not buffers: see Int4Linear (read ~200 times per token).
         self.tiled = tile_weight(linear.weight)

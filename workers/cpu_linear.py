@@ -26,8 +26,9 @@ and benchmarks/perplexity.py):
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
 with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
-float32, packed. Tied to the token embedding table, it is packed as a copy; the table keeps
-its float weights for lookups (and for those exact candidates).
+float32, as exact mode's other layers (or oneDNN-packed). Tied to the token embedding table,
+it is held as a copy in its kernel's layout; the table keeps its float weights for lookups
+(and for those exact candidates).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ the same values in the same order, and leaves out what computes nothing:
   and 4-bit modes, instead of making one each (the copy is the same every time);
 - the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
   workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows
-  4-bit, the bias added in float32 after the product); the native float32 product
-  (workers/cpu_float32_linear.py) is its module's one kernel call.
+  4-bit, the bias added in float32 after the product), and so does the native float32 product
+  (workers/cpu_float32_linear.py).
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
 every mode is covered. Only model classes whose forward this one mirrors take it
@@ -264,7 +264,15 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
     if kind == native_decode.FLOAT32_PRODUCT:
         return lambda x, rounded: linear_pointwise(x, weight, bias, "none", [], "")
     if kind == native_decode.NATIVE_FLOAT32_PRODUCT:
-        return lambda x, rounded: linear(x)
+        kernel = torch.ops.antiphon_cpu.float32_product.default
+
+        def float32_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
+            # As Float32Linear.forward computes it (the bias added in place), without the module call.
+            out = kernel(x, weight)
+            if bias is not None:
+                out += bias
+            return out
+        return float32_product
     if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
         int4 = linear.int4
 

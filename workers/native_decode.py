@@ -66,13 +66,15 @@ INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT, NATIVE_FLOAT32
 # How long loading a model whose layers take a native product waits for the library (a first
 # build takes ~15-40 s here), well inside the engine's worker start timeout; past it, torch's
 # kernels serve.
-INT4_BUILD_WAIT_SECONDS = 240
+NATIVE_BUILD_WAIT_SECONDS = 240
 # A build running longer is killed (with its compilers) and counts as failed.
 BUILD_TIMEOUT_SECONDS = 900
 # What the native 4-bit product needs (int4_product.cpp), as /proc/cpuinfo names the flags.
 INT4_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 # And the native float32 product (float32_product.cpp).
 FLOAT32_CPU_FLAGS = {"avx512f"}
+# The kernels whose use is decided once per process (_native_product_available), by name.
+KERNELS = ("int4_product", "float32_product")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not started"}  # -> "building" -> "ready" | "failed"
@@ -140,15 +142,15 @@ def _native_product_available(kernel: str, flags: set[str], layers: str, wait: b
     process. `wait=False` (for parts that may take either kernel, like the greedy candidates'
     copy): the answer already given, else whether the library is loaded now, without waiting
     or deciding."""
-    if kernel in _state:
-        return bool(_state[kernel])
     if not enabled() or not flags <= cpu_flags():
         return False
+    if kernel in _state:
+        return bool(_state[kernel])
     if not wait:
         return is_ready() and _kernel_usable(kernel)
     if not is_ready() and not library_path().exists():
         logger.info("%s wait for the native CPU kernels: their kernel is chosen once, at load", layers)
-    _state[kernel] = wait_until_built(INT4_BUILD_WAIT_SECONDS) and _kernel_usable(kernel)
+    _state[kernel] = wait_until_built(NATIVE_BUILD_WAIT_SECONDS) and _kernel_usable(kernel)
     return bool(_state[kernel])
 
 

@@ -2,14 +2,14 @@
 // the weights; workers/native_decode.py builds this file).
 //
 // A one-row product reads its whole weight matrix to do two flops a weight, so its speed is
-// the speed at which the weights stream from memory. oneDNN's packed float32 product reached
-// ~20 GB/s here for one row over the default model's layers, where the cores read ~35-50 GB/s.
-// This kernel lays each matrix out as one sequential stream per tile of outputs and prefetches
-// ahead in it: ~40 GB/s, 2x oneDNN for one row (benchmarks/float32_products.py).
+// the speed at which the weights stream from memory. oneDNN's packed float32 product streamed
+// the default model's layers at ~15-20 GB/s for one row here. This kernel lays each matrix out
+// as one sequential stream per tile of outputs and prefetches ahead in it: 1.4-2x oneDNN's for
+// one row, with the host's bandwidth of the minute (benchmarks/float32_products.py).
 //
-// Layout (cpu_float32_linear.tile_weight), for N outputs (a multiple of 8) and K inputs:
-//   float32 [N/8, ceil(K/16), 8, 16]: tile t, chunk c, output j, lane i holds the weight of
-//   output 8t + j for input 16c + i (zero past K).
+// Layout (cpu_float32_linear.tile_weight), for N outputs and K inputs, multiples of 8 and 16:
+//   float32 [N/8, K/16, 8, 16]: tile t, chunk c, output j, lane i holds the weight of output
+//   8t + j for input 16c + i.
 //
 // Each output of each row is one chain of fused multiply-adds over its chunks, 16 lanes wide,
 // in input order, then the 16 lanes summed in a fixed tree: the same arithmetic whatever the
@@ -68,29 +68,26 @@ constexpr int64_t kRowsPerPass = 2;
 // 22.5 ms with a plain row-major layout).
 constexpr int64_t kPrefetchFloats = 1024 / sizeof(float);
 
-// `rows` (1 or 2) rows of x against one tile of weights, `outputs` (<= 8) of whose outputs
-// exist.
+// `Rows` (1 or 2) rows of x against one tile of weights: 8 outputs of each row.
 template <int Rows>
-AVX512_TARGET void product_pass(const float* x, int64_t k, const float* tile, int64_t chunks, float* y, int64_t n,
-                                int64_t outputs) {
+AVX512_TARGET void product_pass(const float* x, int64_t k, const float* tile, float* y, int64_t n) {
   __m512 acc[Rows][kOutputs];
 #pragma GCC unroll 2
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 8
     for (int j = 0; j < kOutputs; ++j) acc[r][j] = _mm512_setzero_ps();
   }
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < k / kLanes; ++c) {
     const float* weights = tile + c * kOutputs * kLanes;
-    // The chunk 1 KB ahead: 8 cache lines, one chunk's worth.
+    // The chunk 1 KB ahead: 8 cache lines, one chunk's worth (past the last tile's end too:
+    // a prefetch never faults).
 #pragma GCC unroll 8
     for (int line = 0; line < kOutputs; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(weights + kPrefetchFloats + line * kLanes), _MM_HINT_T0);
     }
-    const int64_t left = k - c * kLanes;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 #pragma GCC unroll 2
     for (int r = 0; r < Rows; ++r) {
-      const __m512 inputs = _mm512_maskz_loadu_ps(mask, x + r * k + c * kLanes);
+      const __m512 inputs = _mm512_loadu_ps(x + r * k + c * kLanes);
 #pragma GCC unroll 8
       for (int j = 0; j < kOutputs; ++j) {
         acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(weights + j * kLanes), inputs, acc[r][j]);
@@ -100,23 +97,18 @@ AVX512_TARGET void product_pass(const float* x, int64_t k, const float* tile, in
 #pragma GCC unroll 2
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 8
-    for (int j = 0; j < kOutputs; ++j) {
-      if (j < outputs) y[r * n + j] = _mm512_reduce_add_ps(acc[r][j]);
-    }
+    for (int j = 0; j < kOutputs; ++j) y[r * n + j] = _mm512_reduce_add_ps(acc[r][j]);
   }
 }
 
 AVX512_TARGET void product_tiles(const float* x, const float* weight, float* y, int64_t rows, int64_t k, int64_t n,
                                  int64_t first, int64_t last) {
-  const int64_t chunks = (k + kLanes - 1) / kLanes;
   for (int64_t t = first; t < last; ++t) {
-    const float* tile = weight + t * chunks * kOutputs * kLanes;
-    const int64_t output = t * kOutputs, outputs = std::min(kOutputs, n - output);
+    const float* tile = weight + t * kOutputs * k;
+    float* out = y + t * kOutputs;
     int64_t row = 0;
-    for (; row + kRowsPerPass <= rows; row += kRowsPerPass) {
-      product_pass<2>(x + row * k, k, tile, chunks, y + row * n + output, n, outputs);
-    }
-    if (row < rows) product_pass<1>(x + row * k, k, tile, chunks, y + row * n + output, n, outputs);
+    for (; row + kRowsPerPass <= rows; row += kRowsPerPass) product_pass<2>(x + row * k, k, tile, out + row * n, n);
+    if (row < rows) product_pass<1>(x + row * k, k, tile, out + row * n, n);
   }
 }
 
@@ -141,24 +133,23 @@ at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, inputs] float32");
   TORCH_CHECK(weight.dim() == 4 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.size(2) == kOutputs && weight.size(3) == kLanes,
-              "weight must be contiguous [outputs/8, chunks, 8, 16] float32");
+              "weight must be contiguous [outputs/8, inputs/16, 8, 16] float32");
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0) * kOutputs;
-  TORCH_CHECK(weight.size(1) == (k + kLanes - 1) / kLanes, "x has ", k, " inputs, the weights ",
-              weight.size(1) * kLanes, " (in chunks of 16)");
+  TORCH_CHECK(weight.size(1) * kLanes == k, "x has ", k, " inputs, the weights ", weight.size(1) * kLanes);
   const at::Tensor input = x.contiguous();
+  if (rows >= kRowsForOneDNN && at::hasMKLDNN()) {
+    // [N/8, 8, K/16, 16] -> [N, K]: one copy (reshape cannot view it).
+    return onednn_linear(input, weight.transpose(1, 2).reshape({n, k}), c10::nullopt);
+  }
   at::Tensor y = at::empty({rows, n}, input.options());
   if (rows == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  if (rows >= kRowsForOneDNN && at::hasMKLDNN()) {
-    const at::Tensor plain = weight.transpose(1, 2).reshape({n, -1}).narrow(1, 0, k).contiguous();
-    return onednn_linear(input, plain, c10::nullopt);
-  }
 #ifdef ANTIPHON_FLOAT32_PRODUCT
   const float* x_data = input.data_ptr<float>();
   const float* w_data = weight.data_ptr<float>();
   float* out = y.data_ptr<float>();
   // A thread's share is at least ~64 KB of weights: smaller splits cost more than they save.
-  const int64_t grain = std::max<int64_t>(1, 16384 / (kOutputs * std::max<int64_t>(k, 1)));
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kOutputs * k));
   at::parallel_for(0, weight.size(0), grain, [&](int64_t first, int64_t last) {
     product_tiles(x_data, w_data, out, rows, k, n, first, last);
   });
