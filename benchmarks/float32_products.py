@@ -18,6 +18,7 @@ import argparse
 import time
 
 import torch
+from int4_kernels import best_pass_times  # beside this script
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 OUTPUT_MATRIX = (576, 49152)
@@ -38,13 +39,6 @@ def build_layers(native: bool, layers_count: int = LAYERS) -> list[dict]:
             layer["native"] = Float32Linear(linear)
         layers.append(layer)
     return layers
-
-
-def time_pass(layers: list[dict], kind: str, inputs: dict[int, torch.Tensor]) -> float:
-    started = time.perf_counter()
-    for layer in layers:
-        layer[kind](inputs[layer["inputs"]])
-    return time.perf_counter() - started
 
 
 def read_bandwidth_gbs() -> float:
@@ -79,12 +73,7 @@ def main() -> None:
     print("|---" * (len(kinds) + (3 if native else 1)) + "|")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
-        best = {kind: float("inf") for kind in kinds}
-        for rep in range(args.reps + 1):  # the first pass warms up
-            for kind in kinds:
-                elapsed = time_pass(layers, kind, inputs)
-                if rep:
-                    best[kind] = min(best[kind], elapsed)
+        best = best_pass_times(layers, kinds, inputs, args.reps)
         cells = [f"{best[kind] * 1000:.2f}" for kind in kinds]
         if native:
             cells += [f"{best['oneDNN'] / best['native']:.2f}x", f"{megabytes / 1000 / best['native']:.1f}"]

@@ -48,6 +48,19 @@ def time_pass(layers: list[dict], kind: str, inputs: dict[int, torch.Tensor]) ->
     return time.perf_counter() - started
 
 
+def best_pass_times(layers: list[dict], kinds: list[str], inputs: dict[int, torch.Tensor], reps: int) -> dict:
+    """Seconds of each kind's best pass over `layers` (each a dict: "inputs" -> width, kind ->
+    product), the kinds taking turns; a first pass of each warms up and is not counted.
+    (benchmarks/float32_products.py times its products this way too.)"""
+    best = {kind: float("inf") for kind in kinds}
+    for rep in range(reps + 1):
+        for kind in kinds:
+            elapsed = time_pass(layers, kind, inputs)
+            if rep:
+                best[kind] = min(best[kind], elapsed)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
@@ -67,12 +80,7 @@ def main() -> None:
     print("|---" * (1 + 2 * len(kinds) - 1) + "|")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
-        best = {kind: float("inf") for kind in kinds}
-        for rep in range(args.reps + 1):  # the first pass warms up
-            for kind in kinds:
-                elapsed = time_pass(layers, kind, inputs)
-                if rep:
-                    best[kind] = min(best[kind], elapsed)
+        best = best_pass_times(layers, kinds, inputs, args.reps)
         ratios = [f"{best['bf16'] / best[kind]:.2f}x" for kind in kinds[:-1]]
         print(f"| {rows} | " + " | ".join(f"{best[kind] * 1000:.2f}" for kind in kinds) + " | " + " | ".join(ratios)
               + " |")
