@@ -144,6 +144,22 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
     assert 1 in sizes and max(sizes) > 8 and len(steps) > 20
 
 
+def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_stack, monkeypatch):
+    """An intermediate size of 200 (inputs not in whole chunks of 16): down_proj stays oneDNN's
+    while gate/up take the native float32 product; both forwards and the C++ stack agree bitwise."""
+    if not native_decode.float32_product_available():
+        pytest.skip("the native float32 product needs AVX-512F and the native library")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", intermediate_size=200)
+    llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=256, max_num_batched_tokens=24)
+    runner = llm.engine.core.executor.runner
+    kinds = [[part[0] for part in group.native_parts] for group in runner.lean.layers[0].groups]
+    assert kinds[2] == [native_decode.NATIVE_FLOAT32_PRODUCT] * 2 and kinds[3] == [native_decode.FLOAT32_PRODUCT]
+    steps = run_both_forwards(monkeypatch, llm, native=True)
+    generate_every_kind_of_step(llm)
+    assert [rows for rows, equal in steps if not equal] == []
+    assert runner.lean.native.steps > 20
+
+
 # hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
 # run fused. int8 layers are not the C++ stack's (the lean Python forward takes them).
 # Llama with every bias on: o_proj and down_proj biases too.

@@ -142,10 +142,12 @@ def _native_product_available(kernel: str, flags: set[str], layers: str, wait: b
     process. `wait=False` (for parts that may take either kernel, like the greedy candidates'
     copy): the answer already given, else whether the library is loaded now, without waiting
     or deciding."""
-    if not enabled() or not flags <= cpu_flags():
+    if not enabled():
         return False
     if kernel in _state:
         return bool(_state[kernel])
+    if not flags <= cpu_flags():
+        return False
     if not wait:
         return is_ready() and _kernel_usable(kernel)
     if not is_ready() and not library_path().exists():

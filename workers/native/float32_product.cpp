@@ -13,8 +13,9 @@
 //
 // Each output of each row is one chain of fused multiply-adds over its chunks, 16 lanes wide,
 // in input order, then the 16 lanes summed in a fixed tree: the same arithmetic whatever the
-// number of rows, the rows around it or the split between threads. So a row's result does not
-// depend on its batch (oneDNN's blocking does vary with the number of rows), and it is
+// number of rows (below kRowsForOneDNN), the rows around it or the split between threads. So
+// up to 255 rows a row's result does not depend on its batch (oneDNN's blocking does vary with
+// the number of rows; a decode row in a step beside a long prefill chunk takes oneDNN), and it is
 // float32 products summed in another order than F.linear's: rounding-level differences, as
 // between any two GEMM kernels.
 //
@@ -137,13 +138,13 @@ at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0) * kOutputs;
   TORCH_CHECK(weight.size(1) * kLanes == k, "x has ", k, " inputs, the weights ", weight.size(1) * kLanes);
   const at::Tensor input = x.contiguous();
-  if (rows >= kRowsForOneDNN && at::hasMKLDNN()) {
-    // [N/8, 8, K/16, 16] -> [N, K]: one copy (reshape cannot view it).
-    return onednn_linear(input, weight.transpose(1, 2).reshape({n, k}), c10::nullopt);
-  }
   at::Tensor y = at::empty({rows, n}, input.options());
   if (rows == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
+  if (rows >= kRowsForOneDNN && at::hasMKLDNN()) {
+    // [N/8, 8, K/16, 16] -> [N, K]: one copy per call (reshape cannot view it), of one matrix.
+    return onednn_linear(input, weight.transpose(1, 2).reshape({n, k}), c10::nullopt);
+  }
 #ifdef ANTIPHON_FLOAT32_PRODUCT
   const float* x_data = input.data_ptr<float>();
   const float* w_data = weight.data_ptr<float>();
