@@ -15,10 +15,10 @@ benchmarks/cpu_peers.py measures it, for the one-row pass to be read against.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from int4_kernels import best_pass_times  # beside this script
+from cpu_peers import memory_bandwidth_gbs  # beside this script
+from int4_kernels import best_pass_times
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 OUTPUT_MATRIX = (576, 49152)
@@ -39,16 +39,6 @@ def build_layers(native: bool, layers_count: int = LAYERS) -> list[dict]:
             layer["native"] = Float32Linear(linear)
         layers.append(layer)
     return layers
-
-
-def read_bandwidth_gbs() -> float:
-    data = torch.randn(1 << 28)
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best / 1e9
 
 
 def main() -> None:
@@ -79,7 +69,8 @@ def main() -> None:
             cells += [f"{best['oneDNN'] / best['native']:.2f}x", f"{megabytes / 1000 / best['native']:.1f}"]
         print(f"| {rows} | " + " | ".join(cells) + " |")
     if not args.no_bandwidth:
-        print(f"\nread bandwidth (a 1 GiB float32 sum, best of 3): {read_bandwidth_gbs():.1f} GB/s")
+        bandwidth = memory_bandwidth_gbs(torch.randn(1 << 28))
+        print(f"\nread bandwidth (cpu_peers.py's: a 1 GiB float32 sum, median of 3): {bandwidth:.1f} GB/s")
 
 
 if __name__ == "__main__":

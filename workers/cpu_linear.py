@@ -128,11 +128,10 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if module is output_layer and (can_pack() or mode == "none"):
+        if module is output_layer and mode != "none" and can_pack():
+            # (Exact mode's output matrix is converted as its other layers, below.)
             # Emulated bfloat16 would be slower than float32 (cpu_has_native_bf16).
-            if mode == "none":
-                replacement = float32_linear(module)
-            elif not cpu_has_native_bf16():
+            if not cpu_has_native_bf16():
                 replacement = PackedLinear(module)
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
