@@ -177,6 +177,8 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert all(fused) if mode.startswith("int4") else not any(fused)
     assert_int4_kernel(runner, mode)
     assert_float32_kernel(runner, mode)
+    # The library was loaded before the model: its norms are native where the CPU has AVX-512F.
+    assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_decode.rms_norm_available()}
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -192,10 +194,16 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
         assert runner.lean.native.native_attention == 0
 
 
-def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, native_stack, monkeypatch):
-    """The stack splits a batch's norms between the threads by rows; ATen splits a large
-    elementwise call (here silu over 16 x 4864 on 3 threads) by elements. Both must leave the
-    logits the model's own (a silu split by rows did not: its exp rounds block tails apart)."""
+@pytest.mark.parametrize("native_norm", [False, True])
+def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm, monkeypatch):
+    """The stack splits a batch's ATen norms between the threads by rows (the native norm, by
+    rows of its own); ATen splits a large elementwise call (here silu over 16 x 4864 on 3
+    threads) by elements. All must leave the logits the model's own (a silu split by rows did
+    not: its exp rounds block tails apart)."""
+    if native_norm and not native_decode.rms_norm_available():
+        pytest.skip("the native RMSNorm needs AVX-512F")
+    if not native_norm:
+        monkeypatch.setattr(native_decode, "rms_norm_available", lambda: False)
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=4864)
     threads = torch.get_num_threads()
@@ -207,7 +215,9 @@ def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, nat
     finally:
         torch.set_num_threads(threads)
     assert [rows for rows, equal in steps if not equal] == []
-    assert llm.engine.core.executor.runner.lean.native.steps >= 5 and 16 in {rows for rows, _ in steps}
+    runner = llm.engine.core.executor.runner
+    assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_norm}
+    assert runner.lean.native.steps >= 5 and 16 in {rows for rows, _ in steps}
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):

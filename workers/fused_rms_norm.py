@@ -1,13 +1,21 @@
-"""transformers' RMSNorm layers as one fused torch call, for float32 models on CPU.
+"""transformers' RMSNorm layers as one call, for float32 models on CPU.
 
 LlamaRMSNorm and its copies (Qwen2, Mistral, Qwen3, ...) compute
-weight * (x * rsqrt(mean(x^2) + eps)) with six torch calls; `F.rms_norm` computes the same in
-one: bitwise equal for float32 on CPU (checked for hidden sizes 64 to 4096 and 1 to 500 rows),
-25 -> 15 us per call here. The default model runs 61 of them per decoded token.
+weight * (x * rsqrt(mean(x^2) + eps)) with six torch calls. A layer whose output is bitwise
+`F.rms_norm`'s on a probe input (so: the same formula) is replaced by one call:
 
-A layer is replaced only if its class is an RMSNorm with a weight and `variance_epsilon`, and
-it gives bitwise the same output as the fused call on a probe input (a variant with another
-formula, such as Gemma's 1 + weight, differs and is kept as it is).
+- the native one-pass RMSNorm (native/rms_norm.cpp) where the native library is loaded when
+  the model loads (native_decode.rms_norm_available): ~1 us for a row of the default model
+  against F.rms_norm's ~10 (61 norms per decoded token). Its sum of squares runs in another
+  order than ATen's: rounding-level differences from transformers', as exact mode's products
+  and decode attention have (its claim is greedy tokens equal to transformers');
+- else `F.rms_norm`, bitwise the original for float32 on CPU (checked for hidden sizes 64 to
+  4096 and 1 to 500 rows), 25 -> 15 us per call.
+
+The choice is made once per model, for all its norms, and the lean forward and the C++ stack
+(lean_decoder.py, native/decode_stack.cpp) read it from the module: a row gets the same numbers
+whichever forward serves its step. A variant with another formula, such as Gemma's
+1 + weight, is kept as it is.
 """
 
 from __future__ import annotations
@@ -17,21 +25,26 @@ import torch.nn.functional as F
 
 
 class FusedRMSNorm(torch.nn.Module):
-    def __init__(self, norm: torch.nn.Module) -> None:
+    def __init__(self, norm: torch.nn.Module, native: bool = False) -> None:
         super().__init__()
         self.weight = norm.weight
         self.variance_epsilon = norm.variance_epsilon
         self.normalized_shape = tuple(norm.weight.shape)
+        self.native = native
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            rows = hidden_states.reshape(-1, self.normalized_shape[0])
+            return torch.ops.antiphon_cpu.rms_norm(rows, self.weight, self.variance_epsilon).view(hidden_states.shape)
         return F.rms_norm(hidden_states, self.normalized_shape, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.variance_epsilon}, fused"
+        return f"{self.normalized_shape}, eps={self.variance_epsilon}, " + ("native" if self.native else "fused")
 
 
-def fuse_rms_norms(model: torch.nn.Module) -> int:
-    """Replace every equivalent RMSNorm layer of a float32 CPU model; returns how many."""
+def fuse_rms_norms(model: torch.nn.Module, native: bool = False) -> int:
+    """Replace every equivalent RMSNorm layer of a float32 CPU model, by the native norm if
+    `native`; returns how many."""
     replaced = 0
     probe = torch.Generator().manual_seed(0)
     for parent in list(model.modules()):
@@ -43,7 +56,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
                 if not torch.equal(child(x), F.rms_norm(x, tuple(child.weight.shape), child.weight,
                                                         child.variance_epsilon)):
                     continue
-            setattr(parent, name, FusedRMSNorm(child))
+            setattr(parent, name, FusedRMSNorm(child, native))
             replaced += 1
     return replaced
 

@@ -141,8 +141,9 @@ class _Layer:
         # What the C++ stack needs (native_decode.py): both norms fused, every product of a
         # kind it computes, SiLU, no window.
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        self.native_norms = (tuple((n.weight, n.variance_epsilon) for n in norms)
-                             if all(isinstance(n, FusedRMSNorm) for n in norms) else None)
+        self.native_norms = ((*((n.weight, n.variance_epsilon) for n in norms), norms[0].native)
+                             if all(isinstance(n, FusedRMSNorm) for n in norms) and norms[0].native == norms[1].native
+                             else None)
         self.groups = (self.qkv, self.o_proj, self.gate_up, self.down_proj)
         self.native_eligible = (self.native_norms is not None and self.act is F.silu and self.sliding_window is None
                                 and all(group.native_parts is not None for group in self.groups))
@@ -173,6 +174,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(module, FusedRMSNorm):
         shape, weight, eps = module.normalized_shape, module.weight, module.variance_epsilon
+        if module.native:
+            # Rows of [T, hidden] (the lean forward's shape): no reshape.
+            return lambda x: torch.ops.antiphon_cpu.rms_norm(x, weight, eps)
         return lambda x: F.rms_norm(x, shape, weight, eps)
     return module
 

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from workers import native_decode
 from workers.cpu_linear import cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
 from workers.fused_rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
@@ -54,7 +55,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     if device.type == "cpu" and dtype == torch.float32:
         # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
         counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
-        fuse_rms_norms(model)
+        fuse_rms_norms(model, native=native_decode.rms_norm_available())
         if mode in ("bf16", "int4") and not cpu_has_native_bf16():
             logger.warning("--quantization %s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its bfloat16 "
                            "products are emulated, likely slower than --quantization none", mode)

@@ -7,9 +7,9 @@ as one loop that rounds as they do), so the logits stay bitwise the model's own,
 interpreter between them.
 
 The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py), exact
-mode's float32 product (native/float32_product.cpp, cpu_float32_linear.py) and the decode
+mode's float32 product (native/float32_product.cpp, cpu_float32_linear.py), the decode
 attention that reads the paged cache in place (native/decode_attention.cpp,
-cpu_decode_attention.py).
+cpu_decode_attention.py) and a one-pass RMSNorm (native/rms_norm.cpp, fused_rms_norm.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
@@ -44,8 +44,9 @@ logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp",
-           NATIVE / "float32_product.cpp"]
-HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h"]
+           NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp"]
+HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
+           NATIVE / "rms_norm.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
@@ -134,6 +135,14 @@ def float32_product_available(wait: bool = True) -> bool:
     return _native_product_available("float32_product", FLOAT32_CPU_FLAGS, "the float32 layers", wait)
 
 
+def rms_norm_available() -> bool:
+    """Whether a model loading now takes the native RMSNorm (rms_norm.cpp) for its norms: the
+    library is loaded already (models whose products wait for it at load find it so; the others
+    take it if a warm cache loaded it in time) and the CPU has AVX-512F. Each model keeps the
+    answer it got (fused_rms_norm.py), so its norms never switch."""
+    return enabled() and FLOAT32_CPU_FLAGS <= cpu_flags() and is_ready() and _kernel_usable("rms_norm")
+
+
 def _native_product_available(kernel: str, flags: set[str], layers: str, wait: bool) -> bool:
     """Whether layers use the native `kernel`: the CPU has `flags`, the library loads, and the
     process holds one OpenMP runtime. A layer picks its kernel once, when the model loads, so
@@ -190,7 +199,7 @@ def _build() -> None:
         library = library_path()
         if not library.exists():
             logger.info("compiling the native CPU kernels (C++ decode step, 4-bit and float32 products, decode "
-                        "attention) for this CPU (first start only, ~15-40 s)")
+                        "attention, RMSNorm) for this CPU (first start only, ~15-40 s)")
             _run_builder(library)
         try:
             torch.ops.load_library(str(library))
@@ -291,9 +300,10 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, cpu_int4.MAX_INT4_ROWS,
                                                    cpu_int4.MAX_NATIVE_INT4_ROWS, cpu_int4.GROUP_SIZE)
     for layer in layers:
-        (input_norm, input_eps), (post_norm, post_eps) = layer.native_norms
+        (input_norm, input_eps), (post_norm, post_eps), native_norm = layer.native_norms
         key_cache, value_cache = kv_caches[layer.index]
-        stack.add_layer(input_norm, input_eps, post_norm, post_eps, layer.scaling, key_cache, value_cache)
+        stack.add_layer(input_norm, input_eps, post_norm, post_eps, native_norm, layer.scaling, key_cache,
+                        value_cache)
         for group in layer.groups:
             stack.add_group()
             for product in group.native_parts:

@@ -13,7 +13,8 @@
 // forwards then call too: cpu_decode_attention.py), the layers' products being 4-bit
 // (cpu_int4.py: torch's kernel or int4_product.cpp's), oneDNN-packed (cpu_packed_linear.py) or
 // float32 on float32_product.cpp (cpu_float32_linear.py), and their norms fused
-// (fused_rms_norm.py). Everything else takes the Python forward.
+// (fused_rms_norm.py: ATen's or rms_norm.cpp, as the model's modules run them). Everything else
+// takes the Python forward.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include "decode_attention.h"
 #include "float32_product.h"
 #include "int4_product.h"
+#include "rms_norm.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
 // fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
@@ -64,6 +66,7 @@ struct ProductGroup {
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   double input_eps, post_attention_eps, scaling;
+  bool native_norm;  // the model's norms run rms_norm.cpp (fused_rms_norm.py chose it at load)
   at::Tensor key_cache, value_cache;
   std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
 };
@@ -79,14 +82,15 @@ class DecodeStack : public torch::CustomClassHolder {
         group_size_(group_size) {}
 
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
-                 double scaling, at::Tensor key_cache, at::Tensor value_cache) {
+                 bool native_norm, double scaling, at::Tensor key_cache, at::Tensor value_cache) {
     for (const at::Tensor* cache : {&key_cache, &value_cache}) {
       TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() && cache->scalar_type() == at::kFloat &&
                       cache->size(2) == head_dim_,
                   "KV caches must be contiguous [slots, kv_heads, head_dim] float32");
     }
+    TORCH_CHECK(!native_norm || rms_norm_supported(), "the native RMSNorm needs AVX-512F");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
-                            scaling, std::move(key_cache), std::move(value_cache), {}});
+                            scaling, native_norm, std::move(key_cache), std::move(value_cache), {}});
   }
 
   // Groups are appended to the last layer in the order q/k/v, o, gate/up, down; products to
@@ -163,7 +167,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
       const int64_t hidden = x.size(1);
-      at::Tensor h = norm(x, layer.input_norm, layer.input_eps);
+      at::Tensor h = norm(x, layer.input_norm, layer.input_eps, layer.native_norm);
       std::vector<at::Tensor> qkv = products(layer.groups[0], h);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
@@ -184,7 +188,7 @@ class DecodeStack : public torch::CustomClassHolder {
                        .select(2, 0);
       }
       x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
-      h = norm(x, layer.post_attention_norm, layer.post_attention_eps);
+      h = norm(x, layer.post_attention_norm, layer.post_attention_eps, layer.native_norm);
       std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
       x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
     }
@@ -239,12 +243,14 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // RMSNorm, with a batch's rows split between the threads (ATen runs such a small call on one
-  // thread), each chunk making the same ATen calls. Bitwise the whole batch's: a norm reduces
-  // within a row, and its elementwise ops (square, add, rsqrt as 1 / sqrt, multiplies) round
-  // alike on any split. (Not so silu, whose exp is vectorized for whole blocks and scalar for
-  // their tails: split by rows, some elements would round differently; it stays one call.)
-  static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // RMSNorm: the native one (rms_norm.cpp) where the model's norms run it; else ATen's, with a
+  // batch's rows split between the threads (ATen runs such a small call on one thread), each
+  // chunk making the same ATen calls. Bitwise the whole batch's: a norm reduces within a row,
+  // and its elementwise ops (square, add, rsqrt as 1 / sqrt, multiplies) round alike on any
+  // split. (Not so silu, whose exp is vectorized for whole blocks and scalar for their tails:
+  // split by rows, some elements would round differently; it stays one call.)
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool native) {
+    if (native) return rms_norm(x, weight, eps);
     const int64_t rows = x.size(0), hidden = x.size(1);
     if (rows < kRowsToSplit || at::get_num_threads() < 2) return at::rms_norm(x, {hidden}, weight, eps);
     at::Tensor out = at::empty({rows, hidden}, x.options());
