@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from workers import cpu_int4, cpu_linear, cpu_output_layer, native_decode
+from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode
 from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
 from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear
+from workers.sampler import sample
 
 
 def linear_on_grid(in_features: int, out_features: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
@@ -35,6 +36,17 @@ def int4_kernel(request, monkeypatch) -> bool:
     if native and not native_decode.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
     monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
+    return native
+
+
+@pytest.fixture(params=["native", "torch"])
+def rescore(request, monkeypatch) -> bool:
+    """Output layers made in the test rescore their candidates natively (rescore_top.cpp) or
+    with torch's topk and batched product; True for the native one."""
+    native = request.param == "native"
+    if native and not (native_decode.wait_until_built(timeout=600) and native_decode.rescore_top_available()):
+        pytest.skip("the native rescoring needs AVX-512F and the native library")
+    monkeypatch.setattr(native_decode, "rescore_top_available", lambda: native)
     return native
 
 
@@ -268,10 +280,11 @@ def test_the_default_model_is_4bit_already_so_auto_serves_every_layer_4bit(monke
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_output_layer_logits_of_the_top_candidates_are_float32(rows):
+def test_output_layer_logits_of_the_top_candidates_are_float32(rows, rescore):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 500, bias=False)
     layer = RescoredOutputLayer(linear)
+    assert layer.native_rescore == rescore
     hidden = torch.randn(1, rows, 64)
     logits = layer(hidden)
     exact = F.linear(hidden, linear.weight)
@@ -283,7 +296,7 @@ def test_output_layer_logits_of_the_top_candidates_are_float32(rows):
     torch.testing.assert_close(logits, exact, rtol=0.02, atol=0.05)
 
 
-def test_output_layer_picks_the_float32_winner_where_bfloat16_ties():
+def test_output_layer_picks_the_float32_winner_where_bfloat16_ties(rescore):
     """Two tokens whose logits differ below bfloat16's step at that size: bf16 alone cannot
     tell them apart, the float32 rescoring does."""
     linear = torch.nn.Linear(2, 3, bias=False)
@@ -294,7 +307,7 @@ def test_output_layer_picks_the_float32_winner_where_bfloat16_ties():
     assert RescoredOutputLayer(linear)(hidden).argmax().item() == 1
 
 
-def test_output_layer_shares_a_tied_embedding_table_and_adds_a_bias_to_exact_logits():
+def test_output_layer_shares_a_tied_embedding_table_and_adds_a_bias_to_exact_logits(rescore):
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 100)
     layer = RescoredOutputLayer(linear)
@@ -339,10 +352,20 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
     llm = LLM(str(tiny_llama), quantization="bf16", num_kv_blocks=64)
     layer = llm.engine.core.executor.model.lm_head
     assert isinstance(layer, RescoredOutputLayer)
-    seen = []
+    seen, argmax_equal = [], []
     forward = layer.forward
-    monkeypatch.setattr(layer, "forward", lambda hidden: (seen.append((list(layer.full_precision_rows),
-                                                                       layer.greedy_step)), forward(hidden))[1])
+
+    def watched(hidden):
+        seen.append((list(layer.full_precision_rows), layer.greedy_step))
+        logits = forward(hidden)
+        if layer.greedy_step:
+            argmax_equal.append(torch.equal(layer.greedy_winners, logits.argmax(-1)))
+        return logits
+    monkeypatch.setattr(layer, "forward", watched)
+    # A greedy step takes its tokens from the layer's winners, never from the sampler.
+    sampled = []
+    monkeypatch.setattr(model_runner, "sample", lambda logits, rows, **kwargs: (
+        sampled.append(len(rows)), sample(logits, rows, **kwargs))[1])
     requests = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={7: 50.0}),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
@@ -357,8 +380,14 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
     # Plain greedy rows only: a greedy step; one sampled row among them: not.
     assert picks == []
     seen.clear()
-    llm.generate([[5, 9, 2]] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    sampled.clear()
+    greedy_tokens = llm.generate([[5, 9, 2]] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert seen and all(rows == [] and greedy for rows, greedy in seen) and picks
+    assert sampled == [] and argmax_equal and all(argmax_equal)
+    assert layer.greedy_winners is None  # reset after the step
+    # The same tokens as whole float32 rows give (log-probabilities read the whole row).
+    assert [o.token_ids for o in greedy_tokens] == [o.token_ids for o in llm.generate(
+        [[5, 9, 2]] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=0))]
     seen.clear()
     picks.clear()
     llm.generate([[5, 9, 2]] * 2, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
@@ -369,7 +398,7 @@ def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logits_win(rows, bias, monkeypatch,
-                                                                                         int4_kernel):
+                                                                                         int4_kernel, rescore):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 512, bias=bias)
     with torch.no_grad():
@@ -383,6 +412,8 @@ def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logi
     monkeypatch.setattr(layer.approximate, "forward", lambda x: pytest.fail("the bfloat16 product ran"))
     logits = layer(hidden)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    # The runner reads each row's winner from the layer instead of an argmax over the row.
+    assert torch.equal(layer.greedy_winners, exact.argmax(-1))
     top = exact.topk(8, dim=-1).indices
     torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
     # Every other logit is out of the running: only the float32 candidates can win.
@@ -401,7 +432,7 @@ def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatc
     assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None
 
 
-def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text(int4_kernel):
+def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text(int4_kernel, rescore):
     """The default model's final hidden states at every position of benchmarks/data/english.txt:
     the greedy path's winner is the float32 argmax of the whole row, at every one."""
     from pathlib import Path
@@ -420,9 +451,12 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
         layer = RescoredOutputLayer(model.lm_head)
         assert layer.selector.product.native == int4_kernel
         layer.greedy_step = True
-        winners = torch.cat([layer(rows).argmax(-1) for rows in hidden.split(layer.selector.product.max_rows)])
-    assert len(winners) > 700
-    assert torch.equal(winners, exact_winners)
+        winners, picked = [], []
+        for rows in hidden.split(layer.selector.product.max_rows):
+            winners.append(layer(rows).argmax(-1))
+            picked.append(layer.greedy_winners)
+    assert len(exact_winners) > 700
+    assert torch.equal(torch.cat(winners), exact_winners) and torch.equal(torch.cat(picked), exact_winners)
 
 
 def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_kernel, monkeypatch):

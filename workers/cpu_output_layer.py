@@ -19,11 +19,18 @@ A step whose rows are all plain greedy (`greedy_step`: argmax, nothing else read
 the 4-bit kernel's max_rows (cpu_int4.py: 8 or 32) needs only each row's winner: there the
 candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: with torch's
 kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits
-are set to -inf, and the winner is the float32 maximum over the candidates. It differs from
+are set to -inf, and the winner is the float32 maximum over the candidates (the runner takes it
+from `greedy_winners` instead of an argmax over the row). It differs from
 the bfloat16 path's only if the float32 winner is not among the 4-bit copy's 32 highest
 logits: at none of the 865 positions of benchmarks/data/english.txt on the default model
 (tests/test_cpu_int4.py). The copy is lossy (the default model's output matrix is 8-bit in
 its GGUF file), which is why it only picks.
+
+Where the native library was loaded when the layer was made (AVX-512F), the candidates are
+picked and rescored by native/rescore_top.cpp: one pass over each row's logits and a dot
+product per candidate read in place (~1.5 ms of torch's topk, gather and batched product in a
+16-row step). Either way the candidates are in ascending index order, so the first float32
+maximum among them is the lowest index, as an argmax over the whole row picks.
 """
 
 from __future__ import annotations
@@ -59,6 +66,13 @@ class RescoredOutputLayer(torch.nn.Module):
         self.greedy_step = False
         # Greedy steps' candidate picker (None where the 4-bit kernel does not take the shape).
         self.selector = _Int4Selector.of(linear)
+        # Chosen once, as the kernels of the other layers: a row's candidates never switch.
+        from workers import native_decode  # here: native_decode imports cpu_linear, which imports this
+
+        self.native_rescore = native_decode.rescore_top_available()
+        # Each row's winner in a greedy step (set by forward, read by the runner within
+        # full_precision_logits); None otherwise.
+        self.greedy_winners: torch.Tensor | None = None
         self.weight = self.approximate.weight  # see PackedLinear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -73,18 +87,27 @@ class RescoredOutputLayer(torch.nn.Module):
                 logits += bias
         else:
             logits = self.approximate(rows)
-        candidates = logits.topk(self.candidates, dim=-1).indices  # [R, C]
-        exact = torch.bmm(self.exact_weight[candidates], rows.unsqueeze(-1)).squeeze(-1)
-        if bias is not None:
-            exact = exact + bias[candidates]
+        candidates, exact = self._rescore(logits, rows, bias)  # [R, C] each
         if greedy:
             # Only the float32 candidates may win: a coarser 4-bit logit must not.
             logits.fill_(float("-inf"))
+            self.greedy_winners = candidates.gather(1, exact.argmax(dim=1, keepdim=True)).squeeze(1)
         logits.scatter_(-1, candidates, exact)
         if self.full_precision_rows:
             index = torch.tensor(self.full_precision_rows, dtype=torch.long)
             logits[index] = F.linear(rows[index], self.exact_weight, bias)
         return logits.view(*hidden.shape[:-1], self.out_features)
+
+    def _rescore(self, logits: torch.Tensor, rows: torch.Tensor,
+                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `candidates` highest logits (indices ascending) and their float32 values."""
+        if self.native_rescore:
+            return torch.ops.antiphon_cpu.rescore_top(logits, rows, self.exact_weight, bias, self.candidates)
+        candidates = logits.topk(self.candidates, dim=-1).indices.sort(dim=-1).values
+        exact = torch.bmm(self.exact_weight[candidates], rows.unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            exact = exact + bias[candidates]
+        return candidates, exact
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 with the top "
@@ -130,14 +153,17 @@ class _Int4Selector:
 @contextlib.contextmanager
 def full_precision_logits(layer: RescoredOutputLayer | None, rows: list[int], greedy_step: bool = False):
     """Within the block, the listed output rows of `layer` get float32 logits, and
-    `greedy_step` says every row only takes its argmax (None: no-op)."""
+    `greedy_step` says every row only takes its argmax (then read from layer.greedy_winners
+    after the forward; None: no-op)."""
     if layer is None or (not rows and not greedy_step):
         yield
         return
     layer.full_precision_rows = rows
     layer.greedy_step = greedy_step
+    layer.greedy_winners = None
     try:
         yield
     finally:
         layer.full_precision_rows = []
         layer.greedy_step = False
+        layer.greedy_winners = None

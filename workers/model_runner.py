@@ -217,13 +217,18 @@ class ModelRunner:
             greedy_step = bool(rows) and not exact_rows and all(s.sampling_params.greedy for s in rows)
         with full_precision_logits(self.rescored_output, exact_rows, greedy_step):
             logits = self._forward(batch, states)
+            # A greedy step's winners, picked by the output layer itself (no argmax over the rows).
+            winners = self.rescored_output.greedy_winners if greedy_step else None
         output = ModelRunnerOutput()
         if not batch.sample_rows:
             return output
         step_masks = masks.result() if masks is not None else None
-        token_ids, logprobs = sample(logits, [
-            SamplingRow(s.sampling_params, s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
-            for s in rows], constrain=(lambda x: self.structured.apply(x, step_masks)) if step_masks else None)
+        if winners is not None:
+            token_ids, logprobs = winners.tolist(), [None] * len(rows)
+        else:
+            token_ids, logprobs = sample(logits, [
+                SamplingRow(s.sampling_params, s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:])
+                for s in rows], constrain=(lambda x: self.structured.apply(x, step_masks)) if step_masks else None)
         for index, (row, state, token_id, lp) in enumerate(zip(batch.sample_rows, rows, token_ids, logprobs)):
             request_id = request_ids[row]
             # Appended even when the request fails: with asynchronous scheduling its next step

@@ -9,7 +9,8 @@ interpreter between them.
 The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py), exact
 mode's float32 product (native/float32_product.cpp, cpu_float32_linear.py), the decode
 attention that reads the paged cache in place (native/decode_attention.cpp,
-cpu_decode_attention.py) and a one-pass RMSNorm (native/rms_norm.cpp, fused_rms_norm.py).
+cpu_decode_attention.py), a one-pass RMSNorm (native/rms_norm.cpp, fused_rms_norm.py) and the
+output layer's rescoring of its top candidates (native/rescore_top.cpp, cpu_output_layer.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
@@ -44,7 +45,7 @@ logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp",
-           NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp"]
+           NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp", NATIVE / "rescore_top.cpp"]
 HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
            NATIVE / "rms_norm.h"]
 LIBRARY = "antiphon_cpu"
@@ -136,11 +137,22 @@ def float32_product_available(wait: bool = True) -> bool:
 
 
 def rms_norm_available() -> bool:
-    """Whether a model loading now takes the native RMSNorm (rms_norm.cpp) for its norms: the
-    library is loaded already (models whose products wait for it at load find it so; the others
-    take it if a warm cache loaded it in time) and the CPU has AVX-512F. Each model keeps the
-    answer it got (fused_rms_norm.py), so its norms never switch."""
-    return enabled() and FLOAT32_CPU_FLAGS <= cpu_flags() and is_ready() and _kernel_usable("rms_norm")
+    """Whether a model loading now takes the native RMSNorm (rms_norm.cpp): see _loaded_now."""
+    return _loaded_now("rms_norm")
+
+
+def rescore_top_available() -> bool:
+    """Whether an output layer made now rescores its candidates natively (rescore_top.cpp,
+    cpu_output_layer.py): see _loaded_now."""
+    return _loaded_now("rescore_top")
+
+
+def _loaded_now(kernel: str) -> bool:
+    """Whether a part made now takes the native `kernel` (AVX-512F): the library is loaded
+    already (models whose products wait for it at load find it so; the others take it if a
+    warm cache loaded it in time). The part keeps the answer it got, so its numbers never
+    switch kernels while it serves."""
+    return enabled() and FLOAT32_CPU_FLAGS <= cpu_flags() and is_ready() and _kernel_usable(kernel)
 
 
 def _native_product_available(kernel: str, flags: set[str], layers: str, wait: bool) -> bool:
@@ -199,7 +211,7 @@ def _build() -> None:
         library = library_path()
         if not library.exists():
             logger.info("compiling the native CPU kernels (C++ decode step, 4-bit and float32 products, decode "
-                        "attention, RMSNorm) for this CPU (first start only, ~15-40 s)")
+                        "attention, RMSNorm, output rescoring) for this CPU (first start only, ~15-40 s)")
             _run_builder(library)
         try:
             torch.ops.load_library(str(library))
