@@ -22,6 +22,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
 
 #include "decode_attention.h"
@@ -174,8 +175,8 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
       // paged_attention.attend, the one-group decode path.
       at::Tensor q_rows = q[0].transpose(0, 1);
-      layer.key_cache.index_copy_(0, slot_mapping, k[0].transpose(0, 1));
-      layer.value_cache.index_copy_(0, slot_mapping, v[0].transpose(0, 1));
+      write_slots(layer.key_cache, slot_mapping, k[0].transpose(0, 1));
+      write_slots(layer.value_cache, slot_mapping, v[0].transpose(0, 1));
       at::Tensor attended;
       if (native_attention) {
         attended = decode_attention(q_rows, layer.key_cache, layer.value_cache, *block_tables, *context_lens,
@@ -203,6 +204,27 @@ class DecodeStack : public torch::CustomClassHolder {
                 "a 4-bit product needs its scales and its batched copy");
     return Product{kind, std::move(weight), scales.value_or(at::Tensor()), batched.value_or(at::Tensor()),
                    std::move(bias)};
+  }
+
+  // cache[slots[t]] = rows[t] for rows [T, kv_heads, head_dim], each row's heads contiguous:
+  // what index_copy_ does, as one copy per row (index_copy_ costs ~5-9 us a call here, and a
+  // step makes two per layer). Slots are checked as index_copy_ checks them.
+  static void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
+    const int64_t tokens = rows.size(0), width = cache.size(1) * cache.size(2), num_slots = cache.size(0);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
+                "slot_mapping must be [tokens] int64");
+    TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(1) == cache.size(1) && rows.size(2) == cache.size(2) &&
+                    rows.stride(2) == 1 &&
+                    rows.stride(1) == cache.size(2),
+                "rows to cache must be [tokens, kv_heads, head_dim], each row's heads contiguous");
+    const at::Tensor index = slots.contiguous();
+    const int64_t* slot = index.data_ptr<int64_t>();
+    const float* source = rows.data_ptr<float>();
+    float* target = cache.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is out of the cache's ", num_slots);
+      std::memcpy(target + slot[t] * width, source + t * rows.stride(0), width * sizeof(float));
+    }
   }
 
   // [T, heads, L, head_dim] keys or values of the step's rows: in place, or gathered by slot.
