@@ -23,8 +23,13 @@ def load_text_model(mode: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.checkpoint import ensure_default_model
+    from workers import native_decode
     from workers.cpu_linear import prepare_linear_layers
+    from workers.fused_rms_norm import fuse_rms_norms
 
+    # The native kernels as a served model finds them once the library is built (a bf16 or int8
+    # model loaded on a cold cache starts on ATen's norms instead).
+    native_decode.wait_until_built(native_decode.NATIVE_BUILD_WAIT_SECONDS)
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     if mode == "auto":
@@ -33,6 +38,8 @@ def load_text_model(mode: str):
         prepare_linear_layers(model, resolved, int4_where_exact=resolved == "bf16")
     else:
         prepare_linear_layers(model, mode)
+    # The engine's norms (workers/model_loader.py).
+    fuse_rms_norms(model, native=native_decode.rms_norm_available())
     return model, AutoTokenizer.from_pretrained(path)
 
 
