@@ -25,10 +25,9 @@ def load_text_model(mode: str):
     from engine.checkpoint import ensure_default_model
     from workers import native_decode
     from workers.cpu_linear import prepare_linear_layers
-    from workers.fused_rms_norm import fuse_rms_norms
+    from workers.model_loader import choose_native_parts
 
-    # The native kernels as a served model finds them once the library is built (a bf16 or int8
-    # model loaded on a cold cache starts on ATen's norms instead).
+    # The native kernels as a served model finds them (models with native layers wait for them).
     native_decode.wait_until_built(native_decode.NATIVE_BUILD_WAIT_SECONDS)
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -38,8 +37,8 @@ def load_text_model(mode: str):
         prepare_linear_layers(model, resolved, int4_where_exact=resolved == "bf16")
     else:
         prepare_linear_layers(model, mode)
-    # The engine's norms (workers/model_loader.py).
-    fuse_rms_norms(model, native=native_decode.rms_norm_available())
+    # The engine's norms and output rescoring (workers/model_loader.py).
+    choose_native_parts(model)
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -40,13 +40,12 @@ def int4_kernel(request, monkeypatch) -> bool:
 
 
 @pytest.fixture(params=["native", "torch"])
-def rescore(request, monkeypatch) -> bool:
-    """Output layers made in the test rescore their candidates natively (rescore_top.cpp) or
-    with torch's topk and batched product; True for the native one."""
+def rescore(request) -> bool:
+    """Whether output layers made in the test rescore their candidates natively
+    (rescore_top.cpp) or with torch's topk and batched product."""
     native = request.param == "native"
     if native and not (native_decode.wait_until_built(timeout=600) and native_decode.rescore_top_available()):
         pytest.skip("the native rescoring needs AVX-512F and the native library")
-    monkeypatch.setattr(native_decode, "rescore_top_available", lambda: native)
     return native
 
 
@@ -283,8 +282,7 @@ def test_the_default_model_is_4bit_already_so_auto_serves_every_layer_4bit(monke
 def test_output_layer_logits_of_the_top_candidates_are_float32(rows, rescore):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 500, bias=False)
-    layer = RescoredOutputLayer(linear)
-    assert layer.native_rescore == rescore
+    layer = RescoredOutputLayer(linear, native_rescore=rescore)
     hidden = torch.randn(1, rows, 64)
     logits = layer(hidden)
     exact = F.linear(hidden, linear.weight)
@@ -304,13 +302,13 @@ def test_output_layer_picks_the_float32_winner_where_bfloat16_ties(rescore):
         linear.weight.copy_(torch.tensor([[20.0, 0.0], [20.0, 0.01], [1.0, 0.0]]))
     hidden = torch.tensor([[1.0, 1.0]])
     assert PackedLinear(linear, torch.bfloat16)(hidden)[0, 0] == PackedLinear(linear, torch.bfloat16)(hidden)[0, 1]
-    assert RescoredOutputLayer(linear)(hidden).argmax().item() == 1
+    assert RescoredOutputLayer(linear, native_rescore=rescore)(hidden).argmax().item() == 1
 
 
 def test_output_layer_shares_a_tied_embedding_table_and_adds_a_bias_to_exact_logits(rescore):
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 100)
-    layer = RescoredOutputLayer(linear)
+    layer = RescoredOutputLayer(linear, native_rescore=rescore)
     assert layer.exact_weight.data_ptr() == linear.weight.data_ptr()
     hidden = torch.randn(3, 32)
     exact = linear(hidden)
@@ -331,6 +329,20 @@ def test_listed_rows_get_float32_logits_for_the_whole_row():
     assert not torch.allclose(logits[0], exact[0], rtol=1e-6, atol=1e-6)  # the others keep their bf16 tail
     layer.full_precision_rows = [0, 1, 2]  # all of them: one float32 product
     torch.testing.assert_close(layer(hidden)[0], exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int4", "bf16"])
+def test_the_loader_gives_native_rescoring_to_models_whose_layers_are_native(tiny_llama, mode, monkeypatch):
+    """A model whose 4-bit layers run the native kernel waited for the library: its output layer
+    rescores natively. A bf16 model did not wait: torch's, whether or not the library is loaded."""
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=16)
+    layer = llm.engine.core.executor.model.lm_head
+    assert isinstance(layer, RescoredOutputLayer)
+    native = mode == "int4" and native_decode.int4_product_available() and native_decode.rescore_top_available()
+    assert layer.native_rescore == native
+    out = llm.generate([[5, 9, 2]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
 
 
 class WatchedSelector:
@@ -404,7 +416,7 @@ def test_a_greedy_step_picks_candidates_from_the_4bit_copy_and_only_float32_logi
     with torch.no_grad():
         if bias:
             linear.bias.normal_(0, 3)  # large enough to reorder the candidates if it were left out
-    layer = RescoredOutputLayer(linear)
+    layer = RescoredOutputLayer(linear, native_rescore=rescore)
     assert layer.selector.product.native == int4_kernel
     hidden = torch.randn(rows, 64) * 3
     exact = linear(hidden)
@@ -448,7 +460,7 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
     with torch.inference_mode():
         hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
         exact_winners = model.lm_head(hidden).argmax(-1)
-        layer = RescoredOutputLayer(model.lm_head)
+        layer = RescoredOutputLayer(model.lm_head, native_rescore=rescore)
         assert layer.selector.product.native == int4_kernel
         layer.greedy_step = True
         winners, picked = [], []

@@ -63,6 +63,22 @@ def test_ties_at_the_cut_keep_the_earliest_indices_and_nan_rows_stay_in_their_ro
     assert values.isfinite().all()
 
 
+def test_nan_logits_rank_above_every_number_as_in_topk(rescore_top):
+    """A NaN among finite logits (at index 0, where the kept set starts, or later) is kept and
+    the rest of the row still competes: the same candidates as torch.topk's."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 16, generator=generator)
+    x = torch.randn(3, 16, generator=generator)
+    approximate = torch.randn(3, 300, generator=generator)
+    approximate[0, 0] = float("nan")
+    approximate[1, [5, 100, 299]] = float("nan")
+    approximate[2, :40] = float("nan")
+    indices, _ = rescore_top(approximate, x, weight, None, 32)
+    assert torch.equal(indices[:2], approximate[:2].topk(32, dim=-1).indices.sort(dim=-1).values)
+    # More NaNs than places: ties, so the earliest (topk's choice among them is unspecified).
+    assert indices[2].tolist() == list(range(32))
+
+
 def test_bad_inputs_are_refused(rescore_top):
     weight, x, logits = torch.randn(100, 16), torch.randn(2, 16), torch.randn(2, 100)
     for args, message in (((logits.double(), x, weight, None, 8), "float32"),

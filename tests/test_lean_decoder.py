@@ -177,8 +177,13 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert all(fused) if mode.startswith("int4") else not any(fused)
     assert_int4_kernel(runner, mode)
     assert_float32_kernel(runner, mode)
-    # The library was loaded before the model: its norms are native where the CPU has AVX-512F.
-    assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_decode.rms_norm_available()}
+    # The library was loaded before the model: its norms are native where its layers are native
+    # and the CPU has AVX-512F.
+    native_layers = native_decode.takes_native_kernels(llm.engine.core.executor.model)
+    assert native_layers == (mode == "int4" and native_decode.int4_product_available()
+                             or mode == "none" and native_decode.float32_product_available())
+    assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_layers and
+                                                                       native_decode.rms_norm_available()}
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -200,7 +205,7 @@ def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, nat
     rows of its own); ATen splits a large elementwise call (here silu over 16 x 4864 on 3
     threads) by elements. All must leave the logits the model's own (a silu split by rows did
     not: its exp rounds block tails apart)."""
-    if native_norm and not native_decode.rms_norm_available():
+    if native_norm and not (native_decode.rms_norm_available() and native_decode.float32_product_available()):
         pytest.skip("the native RMSNorm needs AVX-512F")
     if not native_norm:
         monkeypatch.setattr(native_decode, "rms_norm_available", lambda: False)
@@ -209,7 +214,8 @@ def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, nat
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        llm = LLM(str(checkpoint), num_kv_blocks=256, max_num_batched_tokens=24)
+        # Exact mode: its native products take the native norm where it runs.
+        llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=256, max_num_batched_tokens=24)
         steps = run_both_forwards(monkeypatch, llm, native=True)
         llm.generate([[5 + i, 6, 7] for i in range(16)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:

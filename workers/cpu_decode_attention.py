@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from workers.cpu_float32_linear import Float32Linear
-from workers.cpu_int4 import Int4Linear
+from workers import native_decode
 
 
 def serves(model: torch.nn.Module, head_dim: int) -> bool:
-    if not any(isinstance(module, Float32Linear) or (isinstance(module, Int4Linear) and module.int4.native)
-               for module in model.modules()):
+    if not native_decode.takes_native_kernels(model):
         return False
     return bool(torch.ops.antiphon_cpu.decode_attention_supported(head_dim))
 

@@ -26,11 +26,12 @@ logits: at none of the 865 positions of benchmarks/data/english.txt on the defau
 (tests/test_cpu_int4.py). The copy is lossy (the default model's output matrix is 8-bit in
 its GGUF file), which is why it only picks.
 
-Where the native library was loaded when the layer was made (AVX-512F), the candidates are
-picked and rescored by native/rescore_top.cpp: one pass over each row's logits and a dot
-product per candidate read in place (~1.5 ms of torch's topk, gather and batched product in a
-16-row step). Either way the candidates are in ascending index order, so the first float32
-maximum among them is the lowest index, as an argmax over the whole row picks.
+In a model whose layers run native products (the loader decides: AVX-512F, the native
+library), the candidates are picked and rescored by native/rescore_top.cpp: one pass over each
+row's logits and a dot product per candidate read in place (~2 ms less than torch's topk,
+gather and batched product in a 16-row step). Both return the candidates in ascending index
+order, so the first float32 maximum among them is the lowest index, as an argmax over the
+whole row picks (they may differ in which of equal logits make the cut).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class RescoredOutputLayer(torch.nn.Module):
     the rows listed in `full_precision_rows`. Those come from `linear`'s own float32 weight,
     kept as it is (for a tied model, the embedding table itself: no copy)."""
 
-    def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES) -> None:
+    def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES, native_rescore: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.approximate = PackedLinear(linear, torch.bfloat16)
@@ -66,10 +67,9 @@ class RescoredOutputLayer(torch.nn.Module):
         self.greedy_step = False
         # Greedy steps' candidate picker (None where the 4-bit kernel does not take the shape).
         self.selector = _Int4Selector.of(linear)
-        # Chosen once, as the kernels of the other layers: a row's candidates never switch.
-        from workers import native_decode  # here: native_decode imports cpu_linear, which imports this
-
-        self.native_rescore = native_decode.rescore_top_available()
+        # Whether the candidates are picked and rescored by native/rescore_top.cpp: set once by
+        # the loader (model_loader.choose_native_parts), so a row's candidates never switch.
+        self.native_rescore = native_rescore
         # Each row's winner in a greedy step (set by forward, read by the runner within
         # full_precision_logits); None otherwise.
         self.greedy_winners: torch.Tensor | None = None

@@ -4,11 +4,12 @@ LlamaRMSNorm and its copies (Qwen2, Mistral, Qwen3, ...) compute
 weight * (x * rsqrt(mean(x^2) + eps)) with six torch calls. A layer whose output is bitwise
 `F.rms_norm`'s on a probe input (so: the same formula) is replaced by one call:
 
-- the native one-pass RMSNorm (native/rms_norm.cpp) where the native library is loaded when
-  the model loads (native_decode.rms_norm_available): ~1 us for a row of the default model
-  against F.rms_norm's ~10 (61 norms per decoded token). Its sum of squares runs in another
-  order than ATen's: rounding-level differences from transformers', as exact mode's products
-  and decode attention have (its claim is greedy tokens equal to transformers');
+- the native one-pass RMSNorm (native/rms_norm.cpp) in models whose layers run native
+  products (model_loader.choose_native_parts: exact mode's and 4-bit layers on AVX-512 CPUs):
+  ~1 us for a row of the default model against F.rms_norm's ~10 (61 norms per decoded token).
+  Its sum of squares runs in another order than ATen's: rounding-level differences from
+  transformers', as exact mode's products and decode attention have (its claim is greedy
+  tokens equal to transformers': the test suite runs in exact mode);
 - else `F.rms_norm`, bitwise the original for float32 on CPU (checked for hidden sizes 64 to
   4096 and 1 to 500 rows), 25 -> 15 us per call.
 
@@ -31,11 +32,13 @@ class FusedRMSNorm(torch.nn.Module):
         self.variance_epsilon = norm.variance_epsilon
         self.normalized_shape = tuple(norm.weight.shape)
         self.native = native
+        # Resolved once (the library is loaded when native is asked for): this runs 61 times a token.
+        self._native_norm = torch.ops.antiphon_cpu.rms_norm.default if native else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.native:
+        if self._native_norm is not None:
             rows = hidden_states.reshape(-1, self.normalized_shape[0])
-            return torch.ops.antiphon_cpu.rms_norm(rows, self.weight, self.variance_epsilon).view(hidden_states.shape)
+            return self._native_norm(rows, self.weight, self.variance_epsilon).view(hidden_states.shape)
         return F.rms_norm(hidden_states, self.normalized_shape, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:

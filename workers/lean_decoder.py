@@ -176,7 +176,8 @@ def _norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         shape, weight, eps = module.normalized_shape, module.weight, module.variance_epsilon
         if module.native:
             # Rows of [T, hidden] (the lean forward's shape): no reshape.
-            return lambda x: torch.ops.antiphon_cpu.rms_norm(x, weight, eps)
+            native_norm = torch.ops.antiphon_cpu.rms_norm.default
+            return lambda x: native_norm(x, weight, eps)
         return lambda x: F.rms_norm(x, shape, weight, eps)
     return module
 

@@ -14,6 +14,7 @@ import torch
 
 from workers import native_decode
 from workers.cpu_linear import cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
+from workers.cpu_output_layer import RescoredOutputLayer
 from workers.fused_rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
@@ -36,6 +37,16 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
     return getattr(torch, dtype)
 
 
+def choose_native_parts(model: torch.nn.Module) -> None:
+    """The norms and the output layer's rescoring of a float32 CPU model: native where its
+    layers are (native_decode.takes_native_kernels), else torch's; once, for its lifetime."""
+    native = native_decode.takes_native_kernels(model)
+    fuse_rms_norms(model, native=native and native_decode.rms_norm_available())
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(output, RescoredOutputLayer):
+        output.native_rescore = native and native_decode.rescore_top_available()
+
+
 def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
                max_model_len: int, adapter=None, quantization: str = "none") -> torch.nn.Module:
     """Refuses models needing features the engine lacks (before reading weights), then loads.
@@ -55,7 +66,7 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     if device.type == "cpu" and dtype == torch.float32:
         # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
         counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto" and mode == "bf16")
-        fuse_rms_norms(model, native=native_decode.rms_norm_available())
+        choose_native_parts(model)
         if mode in ("bf16", "int4") and not cpu_has_native_bf16():
             logger.warning("--quantization %s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its bfloat16 "
                            "products are emulated, likely slower than --quantization none", mode)

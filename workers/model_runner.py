@@ -223,7 +223,7 @@ class ModelRunner:
         if not batch.sample_rows:
             return output
         step_masks = masks.result() if masks is not None else None
-        if winners is not None:
+        if winners is not None and len(winners) == len(rows):
             token_ids, logprobs = winners.tolist(), [None] * len(rows)
         else:
             token_ids, logprobs = sample(logits, [

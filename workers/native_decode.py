@@ -47,7 +47,7 @@ NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp",
            NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp", NATIVE / "rescore_top.cpp"]
 HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
-           NATIVE / "rms_norm.h"]
+           NATIVE / "rms_norm.h", NATIVE / "avx512_util.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
@@ -136,22 +136,33 @@ def float32_product_available(wait: bool = True) -> bool:
     return _native_product_available("float32_product", FLOAT32_CPU_FLAGS, "the float32 layers", wait)
 
 
+def takes_native_kernels(model: torch.nn.Module) -> bool:
+    """Whether `model`'s layers run a native product, 4-bit (cpu_int4.py) or exact mode's
+    float32 (cpu_float32_linear.py). Such a model waited for the library when it loaded, so its
+    other parts take their native kernels too (the norms, the output layer's rescoring, the
+    decode attention), from the first step on a cold cache as on a warm one. bf16 and int8
+    models start before the library is built: they keep torch's for the whole process, so
+    their numbers depend neither on the cache's state nor on the time a build took."""
+    from workers.cpu_float32_linear import Float32Linear  # here: it is imported by modules this one imports
+
+    return any(isinstance(module, Float32Linear) or (isinstance(module, cpu_int4.Int4Linear) and module.int4.native)
+               for module in model.modules())
+
+
 def rms_norm_available() -> bool:
-    """Whether a model loading now takes the native RMSNorm (rms_norm.cpp): see _loaded_now."""
+    """Whether the native RMSNorm (rms_norm.cpp) runs here: see _loaded_now."""
     return _loaded_now("rms_norm")
 
 
 def rescore_top_available() -> bool:
-    """Whether an output layer made now rescores its candidates natively (rescore_top.cpp,
-    cpu_output_layer.py): see _loaded_now."""
+    """Whether the output layer's native rescoring (rescore_top.cpp) runs here: see _loaded_now."""
     return _loaded_now("rescore_top")
 
 
 def _loaded_now(kernel: str) -> bool:
-    """Whether a part made now takes the native `kernel` (AVX-512F): the library is loaded
-    already (models whose products wait for it at load find it so; the others take it if a
-    warm cache loaded it in time). The part keeps the answer it got, so its numbers never
-    switch kernels while it serves."""
+    """Whether the native `kernel` (AVX-512F) can serve now: the library is loaded. Callers
+    ask once, for a model that takes_native_kernels, and keep the answer, so that a part's
+    numbers never switch kernels while it serves."""
     return enabled() and FLOAT32_CPU_FLAGS <= cpu_flags() and is_ready() and _kernel_usable(kernel)
 
 

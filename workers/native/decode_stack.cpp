@@ -1,9 +1,11 @@
 // The decoder layers of a decode step as one C++ call (workers/native_decode.py).
 //
 // It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
-// except the rotary embedding, one loop here that rounds as ATen's eight calls do, and a
-// batch's norms, split by rows between the threads (the same calls per chunk, rounding
-// alike); so its logits are bitwise the lean forward's and the model's own. What it takes
+// except the rotary embedding, one loop here that rounds as ATen's eight calls do, a batch's
+// ATen norms, split by rows between the threads (the same calls per chunk, rounding alike),
+// and the cache writes, a copy per row where index_copy_ copies the same floats; the native
+// kernels it calls (norm, products, attention) are the ones the Python forwards call too. So
+// its logits are bitwise the lean forward's and the model's own. What it takes
 // away is Python: the lean forward makes ~30 torch calls per layer from Python, each paying
 // argument parsing and dispatch from the interpreter, and on a CPU that is most of a one-row
 // step of a small model.
@@ -211,18 +213,21 @@ class DecodeStack : public torch::CustomClassHolder {
   // step makes two per layer). Slots are checked as index_copy_ checks them.
   static void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
     const int64_t tokens = rows.size(0), width = cache.size(1) * cache.size(2), num_slots = cache.size(0);
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
-                "slot_mapping must be [tokens] int64");
-    TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(1) == cache.size(1) && rows.size(2) == cache.size(2) &&
-                    rows.stride(2) == 1 &&
-                    rows.stride(1) == cache.size(2),
-                "rows to cache must be [tokens, kv_heads, head_dim], each row's heads contiguous");
+    TORCH_CHECK(slots.is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
+                "slot_mapping must be [tokens] int64 on the CPU");
+    TORCH_CHECK(rows.is_cpu() && rows.scalar_type() == at::kFloat && rows.size(1) == cache.size(1) &&
+                    rows.size(2) == cache.size(2) && (rows.size(2) <= 1 || rows.stride(2) == 1) &&
+                    (rows.size(1) <= 1 || rows.stride(1) == cache.size(2)),
+                "rows to cache must be [tokens, kv_heads, head_dim] float32, each row's heads contiguous");
     const at::Tensor index = slots.contiguous();
     const int64_t* slot = index.data_ptr<int64_t>();
+    // All checked before any is written.
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is out of the cache's ", num_slots);
+    }
     const float* source = rows.data_ptr<float>();
     float* target = cache.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is out of the cache's ", num_slots);
       std::memcpy(target + slot[t] * width, source + t * rows.stride(0), width * sizeof(float));
     }
   }

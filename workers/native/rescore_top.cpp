@@ -11,7 +11,8 @@
 // logits is the one an argmax over the whole row picks (the lowest index). Each dot product is
 // four chains of fused multiply-adds over 16-lane chunks, in input order, the chains then
 // added pairwise and the lanes summed in a fixed tree: a row's values depend on that row only.
-// Ties at the cut (equal logits for the last places) keep the earliest indices.
+// Ties at the cut (equal logits for the last places) keep the earliest indices; NaN ranks
+// above every number, as in torch.topk.
 //
 // x86-64 with AVX-512F only (per-function target); elsewhere rescore_top_supported() is false.
 
@@ -20,25 +21,22 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ANTIPHON_RESCORE_TOP 1
-#include <immintrin.h>
+#include "avx512_util.h"
 
+#ifdef ANTIPHON_AVX512_UTIL
 namespace {
 
-#define AVX512_TARGET __attribute__((target("avx512f")))
+using antiphon::kLanes;
 
-constexpr int64_t kLanes = 16;
-
-inline __mmask16 lanes_left(int64_t left) {
-  return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
+// The order the candidates are kept by: NaN above every number, as torch.topk ranks it.
+inline bool ranks_below(float a, float b) { return !std::isnan(a) && (std::isnan(b) || a < b); }
 
 // The `count` highest of `values[0, n)` into `indices` (ascending). count <= n.
-AVX512_TARGET void top_indices(const float* values, int64_t n, int64_t count, int64_t* indices) {
+__attribute__((target("avx512f"))) void top_indices(const float* values, int64_t n, int64_t count, int64_t* indices) {
   std::vector<float> kept(values, values + count);
   std::vector<int64_t> at(count);
   std::iota(at.begin(), at.end(), 0);
@@ -46,26 +44,26 @@ AVX512_TARGET void top_indices(const float* values, int64_t n, int64_t count, in
   const auto next_out = [&] {
     int64_t out = 0;
     for (int64_t j = 1; j < count; ++j) {
-      if (kept[j] < kept[out] || (kept[j] == kept[out] && at[j] > at[out])) out = j;
+      if (ranks_below(kept[j], kept[out]) || (!ranks_below(kept[out], kept[j]) && at[j] > at[out])) out = j;
     }
     return out;
   };
   int64_t lowest = next_out();
   float threshold = kept[lowest];
   const auto offer = [&](int64_t i) {
-    // Strictly greater: on equal values the earlier index stays. NaN is never taken after the
-    // first `count` (it compares false), so a row of NaN keeps its first indices.
-    if (!(values[i] > threshold)) return;
+    // Strictly above: on equal values the earlier index stays.
+    if (!ranks_below(threshold, values[i])) return;
     kept[lowest] = values[i];
     at[lowest] = i;
     lowest = next_out();
     threshold = kept[lowest];
   };
   int64_t i = count;
-  // Scalar up to a 16-aligned index, then whole chunks compared at once.
+  // Scalar up to a 16-aligned index, then whole chunks compared at once: lanes above the
+  // threshold or unordered (a NaN on either side) are offered, the rest skipped.
   for (; i < n && i % kLanes != 0; ++i) offer(i);
   for (; i + kLanes <= n; i += kLanes) {
-    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(values + i), _mm512_set1_ps(threshold), _CMP_GT_OQ);
+    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(values + i), _mm512_set1_ps(threshold), _CMP_NLE_UQ);
     while (above) {
       offer(i + __builtin_ctz(above));
       above &= above - 1;
@@ -76,30 +74,15 @@ AVX512_TARGET void top_indices(const float* values, int64_t n, int64_t count, in
   std::copy(at.begin(), at.end(), indices);
 }
 
-AVX512_TARGET float dot(const float* a, const float* b, int64_t k) {
-  __m512 chains[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t chunks = (k + kLanes - 1) / kLanes;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask16 mask = lanes_left(k - c * kLanes);
-    chains[c % 4] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + c * kLanes),
-                                    _mm512_maskz_loadu_ps(mask, b + c * kLanes), chains[c % 4]);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(chains[0], chains[1]), _mm512_add_ps(chains[2], chains[3])));
-}
-
 }  // namespace
-#endif  // ANTIPHON_RESCORE_TOP
+#endif  // ANTIPHON_AVX512_UTIL
 
 // logits [rows, vocab] float32 (approximate), x [rows, hidden] float32, weight [vocab, hidden]
 // float32, bias [vocab] or none -> (indices [rows, candidates] int64, ascending, of each row's
 // `candidates` highest logits; their float32 logits x . weight[index] + bias[index]).
 bool rescore_top_supported() {
-#ifdef ANTIPHON_RESCORE_TOP
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return avx512;
+#ifdef ANTIPHON_AVX512_UTIL
+  return antiphon::avx512f_supported();
 #else
   return false;
 #endif
@@ -126,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_top(const at::Tensor& logits, const a
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor indices = at::empty({rows, candidates}, logits.options().dtype(at::kLong));
   at::Tensor values = at::empty({rows, candidates}, logits.options());
-#ifdef ANTIPHON_RESCORE_TOP
+#ifdef ANTIPHON_AVX512_UTIL
   const float* l_data = l.data_ptr<float>();
   const float* x_data = in.data_ptr<float>();
   const float* w_data = w.data_ptr<float>();
@@ -140,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> rescore_top(const at::Tensor& logits, const a
       top_indices(l_data + r * vocab, vocab, candidates, row_indices);
       for (int64_t c = 0; c < candidates; ++c) {
         const int64_t token = row_indices[c];
-        float value = dot(x_data + r * hidden, w_data + token * hidden, hidden);
+        float value = antiphon::sum_of_products(x_data + r * hidden, w_data + token * hidden, hidden);
         if (b_data != nullptr) value += b_data[token];
         v_data[r * candidates + c] = value;
       }

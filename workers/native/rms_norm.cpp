@@ -25,34 +25,23 @@
 
 #include "rms_norm.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ANTIPHON_RMS_NORM 1
-#include <immintrin.h>
+#include "avx512_util.h"
 
+#ifdef ANTIPHON_AVX512_UTIL
 namespace {
 
-#define AVX512_TARGET __attribute__((target("avx512f")))
+using antiphon::kLanes;
+using antiphon::lanes_left;
 
-constexpr int64_t kLanes = 16;
 // Rows of fewer elements than this per thread stay on one thread: waking the other costs more.
 constexpr int64_t kElementsPerThread = 32768;
 
-AVX512_TARGET void normalize_row(const float* x, const float* weight, float* out, int64_t hidden, float eps) {
-  __m512 chains[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t chunks = (hidden + kLanes - 1) / kLanes;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t left = hidden - c * kLanes;
-    // The last chunk of a width not a multiple of 16 reads its elements and zeros.
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(mask, x + c * kLanes);
-    chains[c % 4] = _mm512_fmadd_ps(v, v, chains[c % 4]);
-  }
-  const __m512 sum = _mm512_add_ps(_mm512_add_ps(chains[0], chains[1]), _mm512_add_ps(chains[2], chains[3]));
-  const float mean = _mm512_reduce_add_ps(sum) / static_cast<float>(hidden);
+__attribute__((target("avx512f"))) void normalize_row(const float* x, const float* weight, float* out, int64_t hidden,
+                                                      float eps) {
+  const float mean = antiphon::sum_of_products(x, x, hidden) / static_cast<float>(hidden);
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t left = hidden - c * kLanes;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  for (int64_t c = 0; c < (hidden + kLanes - 1) / kLanes; ++c) {
+    const __mmask16 mask = lanes_left(hidden - c * kLanes);
     const __m512 v = _mm512_maskz_loadu_ps(mask, x + c * kLanes);
     const __m512 w = _mm512_maskz_loadu_ps(mask, weight + c * kLanes);
     // weight * (x * scale), each product rounded as the formula's two multiplies.
@@ -61,15 +50,11 @@ AVX512_TARGET void normalize_row(const float* x, const float* weight, float* out
 }
 
 }  // namespace
-#endif  // ANTIPHON_RMS_NORM
+#endif
 
 bool rms_norm_supported() {
-#ifdef ANTIPHON_RMS_NORM
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return avx512;
+#ifdef ANTIPHON_AVX512_UTIL
+  return antiphon::avx512f_supported();
 #else
   return false;
 #endif
@@ -88,7 +73,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({rows, hidden}, x.options());
   if (rows == 0 || hidden == 0) return out;
-#ifdef ANTIPHON_RMS_NORM
+#ifdef ANTIPHON_AVX512_UTIL
   const float* in = input.data_ptr<float>();
   const float* w_data = w.data_ptr<float>();
   float* o = out.data_ptr<float>();
