@@ -141,3 +141,17 @@ def test_a_native_module_normalizes_any_leading_shape_as_its_rows(native_norm):
     out = model[0](x)
     assert out.shape == x.shape and torch.equal(out.view(10, 64), native_norm(x.view(10, 64), original.weight, 1e-5))
     assert torch.allclose(out, original(x), rtol=1e-5, atol=0)
+
+
+def test_the_ab_benchmark_runs_and_prints_its_rows(native_norm):
+    """benchmarks/native_parts.py, whose A/B the README quotes, still runs (one short round)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "native_parts.py"
+    done = subprocess.run([sys.executable, str(script), "--rounds", "1", "--streams", "1", "2", "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "native parts taken: True" in done.stdout
+    assert "| 1 |" in done.stdout and "| 2 |" in done.stdout and "greedy answers alike:" in done.stdout
