@@ -3,9 +3,10 @@ against torch's, in one process: two engines of the same mode, one built with th
 without (model_loader.choose_native_parts decides at load), taking turns inside each round.
 
 Greedy streams of the default model, 128 tokens each (chat prompts); prints each engine's
-median total tok/s for one stream and for 16, the ratio, and how many of the 16 answers the
-two engines gave alike (the native norm rounds differently: rounding-level differences may
-move a greedy answer in the 4-bit modes; exact mode's should not move).
+median total tok/s for one stream and for 16, the ratio, and how many answers the two
+engines gave alike (the native norm rounds differently: rounding-level differences may
+move a greedy answer in the 4-bit modes; exact mode's should not move), over every round and
+stream count.
 
     python benchmarks/native_parts.py [--mode auto|none] [--rounds 6] [--streams 1 16]
 """
@@ -17,6 +18,17 @@ import statistics
 import time
 
 import torch
+
+
+def native_parts(model: torch.nn.Module) -> str:
+    """What a loaded model runs: its norms' and its output layer's kernels."""
+    from workers.cpu_output_layer import RescoredOutputLayer
+    from workers.fused_rms_norm import FusedRMSNorm
+
+    norms = {module.native for module in model.modules() if isinstance(module, FusedRMSNorm)}
+    output = model.get_output_embeddings()
+    rescore = output.native_rescore if isinstance(output, RescoredOutputLayer) else None
+    return f"native norms {sorted(norms)}, native rescoring {rescore}"
 
 
 def main() -> None:
@@ -58,9 +70,9 @@ def main() -> None:
                 answers.setdefault(name, []).extend(o.token_ids for o in outputs)
         same += sum(a == b for a, b in zip(answers["torch's"], answers["native"]))
         compared += len(answers["native"])
-    model = engines["native"].engine.core.executor.model
-    print(f"--quantization {args.mode}; native parts taken: {native_decode.takes_native_kernels(model)}; "
-          f"{args.rounds} rounds, medians, total tok/s")
+    print(f"--quantization {args.mode}; {args.rounds} rounds, medians, total tok/s")
+    for name, llm in engines.items():
+        print(f"{name} engine: {native_parts(llm.engine.core.executor.model)}")
     print("| streams | torch's norm and rescoring | native | native / torch's |\n|---|---|---|---|")
     for n in args.streams:
         old, new = statistics.median(rates["torch's"][n]), statistics.median(rates["native"][n])

@@ -31,9 +31,14 @@ class FusedRMSNorm(torch.nn.Module):
         self.weight = norm.weight
         self.variance_epsilon = norm.variance_epsilon
         self.normalized_shape = tuple(norm.weight.shape)
-        self.native = native
         # Resolved once (the library is loaded when native is asked for): this runs 61 times a token.
         self._native_norm = torch.ops.antiphon_cpu.rms_norm.default if native else None
+
+    @property
+    def native(self) -> bool:
+        """Whether this norm runs native/rms_norm.cpp (fixed when made: the lean forward and
+        the C++ stack read it to compute alike)."""
+        return self._native_norm is not None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._native_norm is not None:
@@ -52,7 +57,8 @@ def fuse_rms_norms(model: torch.nn.Module, native: bool = False) -> int:
     probe = torch.Generator().manual_seed(0)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not _looks_like_rms_norm(child):
+            # (A norm fused already keeps its choice: a second call must not flip it.)
+            if isinstance(child, FusedRMSNorm) or not _looks_like_rms_norm(child):
                 continue
             x = torch.randn(3, child.weight.shape[0], generator=probe) * 4
             with torch.no_grad():

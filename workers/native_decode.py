@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from workers import cpu_int4
+from workers.cpu_float32_linear import Float32Linear
 from workers.cpu_linear import cpu_flags
 
 logger = logging.getLogger("antiphon")
@@ -141,10 +142,10 @@ def takes_native_kernels(model: torch.nn.Module) -> bool:
     float32 (cpu_float32_linear.py). Such a model waited for the library when it loaded, so its
     other parts take their native kernels too (the norms, the output layer's rescoring, the
     decode attention), from the first step on a cold cache as on a warm one. bf16 and int8
-    models start before the library is built: they keep torch's for the whole process, so
-    their numbers depend neither on the cache's state nor on the time a build took."""
-    from workers.cpu_float32_linear import Float32Linear  # here: it is imported by modules this one imports
-
+    models start before the library is built: they keep torch's norms, rescoring and
+    attention for the whole process, whatever the cache's state. (Only their greedy
+    candidates' 4-bit copy takes the native kernel if the library is loaded already:
+    cpu_output_layer._Int4Selector; it picks candidates, whose logits are float32 either way.)"""
     return any(isinstance(module, Float32Linear) or (isinstance(module, cpu_int4.Int4Linear) and module.int4.native)
                for module in model.modules())
 
