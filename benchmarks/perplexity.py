@@ -2,7 +2,9 @@
 
 The text (benchmarks/data/english.txt, written for this repo) is scored in windows of
 `--window` tokens; each mode converts the same float32 checkpoint with the engine's own code
-(workers/cpu_linear.py), so the numbers say what a mode costs in quality.
+(workers/cpu_linear.py), and where serving would cache keys and values in bfloat16
+(workers/kv_cache_dtype.py) attention sees them rounded so, as it does when served; so the
+numbers say what a mode costs in quality.
 
     python benchmarks/perplexity.py
 """
@@ -17,6 +19,15 @@ from pathlib import Path
 import torch
 
 TEXT = Path(__file__).parent / "data" / "english.txt"
+ROUNDED_KV_ATTENTION = "sdpa_over_bfloat16_keys"
+
+
+def sdpa_over_bfloat16_keys(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA with keys and values rounded as a bfloat16 KV cache holds them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = (t.to(torch.bfloat16).to(t.dtype) for t in (key, value))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def load_text_model(mode: str):
@@ -39,7 +50,19 @@ def load_text_model(mode: str):
         prepare_linear_layers(model, mode)
     # The engine's norms and output rescoring (workers/model_loader.py).
     choose_native_parts(model)
-    return model, AutoTokenizer.from_pretrained(path)
+    # And its KV cache's dtype.
+    from transformers import AttentionInterface
+
+    from workers.kv_cache_dtype import resolve_kv_cache_dtype
+
+    text = model.config
+    kv_dtype = resolve_kv_cache_dtype("auto", model, torch.float32, torch.device("cpu"),
+                                      getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+                                      "torch")
+    if kv_dtype == torch.bfloat16:
+        AttentionInterface.register(ROUNDED_KV_ATTENTION, sdpa_over_bfloat16_keys)
+        model.set_attn_implementation(ROUNDED_KV_ATTENTION)
+    return model, AutoTokenizer.from_pretrained(path), kv_dtype
 
 
 @torch.inference_mode()
@@ -57,19 +80,20 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
     return math.exp(total_nll / count)
 
 
-def measure(modes: list[str], window: int) -> dict[str, float]:
+def measure(modes: list[str], window: int) -> dict[str, tuple[float, str]]:
+    """mode -> (perplexity, the KV cache's dtype when served)."""
     from workers import cpu_int4
 
     results = {}
     for mode in modes:
-        model, tokenizer = load_text_model(mode)
+        model, tokenizer, kv_dtype = load_text_model(mode)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
         # 4-bit layers run their bfloat16 copy above a kernel's max_rows rows (cpu_int4.py); scoring
         # whole windows through the 4-bit kernel instead measures what decoding one stream uses.
         saved = cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS
         cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_NATIVE_INT4_ROWS = window
         try:
-            results[mode] = perplexity(model, token_ids, window)
+            results[mode] = perplexity(model, token_ids, window), str(kv_dtype).removeprefix("torch.")
         finally:
             cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS = saved
         del model
@@ -95,9 +119,9 @@ def main() -> None:
     kernel = "native" if cpu_int4.native_kernel_available() else "torch's"
     started = time.perf_counter()
     results = measure([*QUANTIZATION_MODES, "auto"], args.window)
-    print("| mode | perplexity | vs none |\n|---|---|---|")
-    for mode, value in results.items():
-        print(f"| {mode} | {value:.3f} | {value / results['none']:.3f}x |")
+    print("| mode | KV cache | perplexity | vs none |\n|---|---|---|---|")
+    for mode, (value, kv_dtype) in results.items():
+        print(f"| {mode} | {kv_dtype} | {value:.3f} | {value / results['none'][0]:.3f}x |")
     print(f"\n{TEXT.name}, windows of {args.window} tokens, 4-bit layers on {kernel} kernel; "
           f"{time.perf_counter() - started:.0f} s")
 

@@ -14,6 +14,8 @@ QUANTIZATION_MODES = ("none", "bf16", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# What the KV cache may hold (workers/kv_cache_dtype.py).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The KV pool on a CPU when kv_cache_memory_gib is not set.
 CPU_KV_CACHE_GIB = 2.0
 
@@ -48,6 +50,10 @@ class EngineConfig:
     decode_graphs: str = "auto"
     max_graph_batch_size: int = 256
     enable_prefix_caching: bool = True
+    # The KV cache's element type (workers/kv_cache_dtype.py): "auto" is bfloat16 for a CPU
+    # model whose layers run the native 4-bit product (half the bytes a decode step reads),
+    # else the model's dtype; a dtype other than the model's is served on CPU only.
+    kv_cache_dtype: str = "auto"
 
     # Token budget of one step, shared by decodes and prefill chunks.
     max_num_batched_tokens: int = 2048
@@ -101,6 +107,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.decode_graphs == "padded-eager" and self.attention_backend == "torch":

@@ -83,7 +83,13 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--encoder-cache-size", type=int, default=None,
                        help="embeddings the decoder may hold or wait for at once (default: derived from the "
                             "largest image and the token budget, plus one image)")
-    from engine.config import QUANTIZATION_MODES
+    from engine.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
+
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="what the KV cache holds: auto (default) is bfloat16 for CPU models whose layers run "
+                            "the native 4-bit product (--quantization auto or int4 here: half the bytes a decode "
+                            "step reads, twice the tokens per GiB), else the model's dtype (float32 on CPU, which "
+                            "exact greedy parity needs); another dtype than the model's on CPU only")
 
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
                        default=None,
@@ -219,7 +225,7 @@ def _serve(args) -> int:
             model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=not args.no_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization, device=args.device, dtype=args.dtype,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
             decode_graphs=_decode_graphs(args),
             max_graph_batch_size=args.max_graph_batch_size,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -17,6 +17,7 @@ from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
+from workers.kv_cache_dtype import resolve_kv_cache_dtype
 from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner
@@ -46,13 +47,18 @@ class InProcessExecutor:
         if self.adapter is not None and with_encoder:
             self.embedding_source = InProcessEncoder(self.adapter, dtype, device, global_encoder_cache_size(
                 config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
-        self.kv_cache_spec = kv_cache_spec(model_config, dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, device)
+        model_spec = kv_cache_spec(model_config, dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.model, dtype, device,
+                                                     model_spec.head_dim, self.attention_backend)
+        self.kv_cache_spec = kv_cache_spec(model_config, self.kv_cache_dtype)
+        logger.info("KV cache holds %s (--kv-cache-dtype %s)", str(self.kv_cache_dtype).removeprefix("torch."),
+                    config.kv_cache_dtype)
         self.model_config = model_config
         self.model_dtype = dtype
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.device = device
         self.is_accelerated = device.type == "cuda"
-        self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         self.grammars = GrammarCompiler(lambda: load_tokenizer(path), self.vocab_size)
         self.runner: ModelRunner | None = None
 
@@ -98,7 +104,7 @@ class InProcessExecutor:
                 max_model_len: int | None = None) -> ModelRunner:
         spec = self.kv_cache_spec
         return ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
-                                                    spec.head_dim), self.adapter, grammars,
+                                                    spec.head_dim, self.kv_cache_dtype), self.adapter, grammars,
                            attention_backend=self.attention_backend, decode_graphs=decode_graphs,
                            # No decode batch is larger than either of the scheduler's limits.
                            max_graph_batch_size=min(self.config.max_graph_batch_size, self.config.max_num_seqs,

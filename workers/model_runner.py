@@ -65,6 +65,8 @@ class KVCacheShape:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    # What the cache holds (workers/kv_cache_dtype.py); None: the model's dtype.
+    dtype: torch.dtype | None = None
 
 
 class ModelRunner:
@@ -96,11 +98,12 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_shape.block_size
         num_slots = cache_shape.num_blocks * cache_shape.block_size
+        self.kv_cache_dtype = cache_shape.dtype or self.dtype
         # Zeros, not empty: padded gathers read block 0, which must hold finite values.
         self.kv_caches = [
-            (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.dtype,
+            (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.kv_cache_dtype,
                          device=self.device),
-             torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.dtype,
+             torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.kv_cache_dtype,
                          device=self.device))
             for _ in range(cache_shape.num_layers)
         ]

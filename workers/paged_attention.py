@@ -14,6 +14,12 @@ captured in a CUDA graph (workers/decode_graphs.py).
 
 The step's metadata reaches the layers through `step_metadata` (set by the runner around
 the forward), not through the model's arguments, which then carry only tensors.
+
+A CPU cache may hold another dtype than the model's (bfloat16 for the default mode's float32
+model: workers/kv_cache_dtype.py): the step's keys and values are rounded to it when written
+and what the torch paths read from the cache is widened back to the queries' dtype. A prefill
+chunk attends to its own keys and values rounded the same way, so every key is seen as the
+cache holds it: an answer does not depend on how its prompt was chunked or found cached.
 """
 
 from __future__ import annotations
@@ -162,8 +168,9 @@ def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: 
     key_cache, value_cache = meta.kv_caches[layer_idx]
     if isinstance(meta, BlockTableMetadata):
         return attend_with_kernels(meta, key_cache, value_cache, q, k, v, scaling)
-    key_cache.index_copy_(0, meta.slot_mapping, k)
-    value_cache.index_copy_(0, meta.slot_mapping, v)
+    # .to is a no-op where the cache holds the model's dtype.
+    key_cache.index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+    value_cache.index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
 
     if meta.all_decodes_in_order:
         # A pure decode step in one group (one stream, or streams of similar lengths):
@@ -175,14 +182,20 @@ def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: 
     for span in meta.prefill_spans:
         rows = slice(span.query_start, span.query_end)
         if span.context_slots is None:
-            out[rows] = prefill_attention(q[rows], k[rows], v[rows], None, scaling)
+            out[rows] = prefill_attention(q[rows], as_cached(k[rows], key_cache), as_cached(v[rows], value_cache),
+                                          None, scaling)
         else:
             # index_select, not advanced indexing: the same values, ~6x faster here (15 vs 95
             # us for a 1,050-token context per layer).
-            out[rows] = prefill_attention(q[rows], key_cache.index_select(0, span.context_slots),
-                                          value_cache.index_select(0, span.context_slots), span.causal_mask,
-                                          scaling)
+            out[rows] = prefill_attention(q[rows], key_cache.index_select(0, span.context_slots).to(q.dtype),
+                                          value_cache.index_select(0, span.context_slots).to(q.dtype),
+                                          span.causal_mask, scaling)
     return out
+
+
+def as_cached(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`rows` as `cache` holds them once written, in their own dtype."""
+    return rows if rows.dtype == cache.dtype else rows.to(cache.dtype).to(rows.dtype)
 
 
 def attend_with_kernels(meta: BlockTableMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -240,7 +253,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         flat = context_slots.reshape(-1)
         k = key_cache.index_select(0, flat).view(batch, length, *key_cache.shape[1:]).transpose(1, 2)
         v = value_cache.index_select(0, flat).view(batch, length, *value_cache.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
     return out[:, :, 0]
 
 

@@ -14,6 +14,9 @@
 // row's result depends only on its own query and context: the same whatever its batch or
 // thread split, so the Python forwards and the C++ stack, which all call it, agree.
 //
+// The caches hold float32, or float16 or bfloat16 (half the bytes to read:
+// workers/kv_cache_dtype.py), widened to float32 in registers, exactly.
+//
 // x86-64 with AVX-512F only (per-function target, so the library still loads elsewhere);
 // decode_attention_supported() says whether this CPU runs it.
 
@@ -28,6 +31,8 @@
 #include <vector>
 
 #include "decode_attention.h"
+
+#include "avx512_util.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ANTIPHON_DECODE_ATTENTION 1
@@ -81,25 +86,42 @@ constexpr int64_t kPrefetchAhead = 8;
 // The loops over heads and chunks are unrolled (#pragma GCC unroll) so that the queries and
 // sums stay in registers (at -O2 GCC would keep them on the stack).
 
-// Where each position of a partition's keys and values lies in the caches (in floats).
+// Where each position of a partition's keys and values lies in the caches (in elements).
 struct Partition {
   const int64_t* offsets;
   int64_t length;
 };
 
-// One head's row of CHUNKS * 16 floats into registers.
+// One head's row of CHUNKS * 16 elements into registers as float32.
 template <int CHUNKS>
 AVX512_TARGET inline void load_row(const float* row, __m512* out) {
   #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
 }
 
+template <int CHUNKS>
+AVX512_TARGET inline void load_row(const c10::BFloat16* row, __m512* out) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  #pragma GCC unroll 16
+  for (int c = 0; c < CHUNKS; ++c) out[c] = antiphon::load_bfloat16(bits + 16 * c);
+}
+
+template <int CHUNKS>
+AVX512_TARGET inline void load_row(const c10::Half* row, __m512* out) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  #pragma GCC unroll 16
+  for (int c = 0; c < CHUNKS; ++c) out[c] = antiphon::load_float16(bits + 16 * c);
+}
+
 // HEADS query heads over one partition: for each head, the largest score, the sum of the
 // exponentials, and the unnormalised weighted values, for CHUNKS * 16 = head_dim.
-template <int CHUNKS, int HEADS>
-AVX512_TARGET void attend_partition(const float* const* queries, const float* keys, const float* values,
+template <typename Element, int CHUNKS, int HEADS>
+AVX512_TARGET void attend_partition(const float* const* queries, const void* key_cache, const void* value_cache,
                                     Partition part, float scale, float* scores, float* largest, float* totals,
                                     float* const* sums) {
+  const Element* keys = static_cast<const Element*>(key_cache);
+  const Element* values = static_cast<const Element*>(value_cache);
+  constexpr int kRowBytes = CHUNKS * 16 * static_cast<int>(sizeof(Element));
   const int64_t length = part.length;
   __m512 query[HEADS][CHUNKS];
   #pragma GCC unroll 16
@@ -112,9 +134,9 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
     if (j + kPrefetchAhead < length) {
       const int64_t ahead = part.offsets[j + kPrefetchAhead];
       #pragma GCC unroll 16
-      for (int c = 0; c < CHUNKS; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(keys + ahead + 16 * c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(values + ahead + 16 * c), _MM_HINT_T1);
+      for (int byte = 0; byte < kRowBytes; byte += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(keys + ahead) + byte, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values + ahead) + byte, _MM_HINT_T1);
       }
     }
     __m512 k[CHUNKS];
@@ -164,16 +186,16 @@ AVX512_TARGET void attend_partition(const float* const* queries, const float* ke
     for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(sums[h] + 16 * c, sum[h][c]);
 }
 
-using PartitionFunction = void (*)(const float* const*, const float*, const float*, Partition, float, float*, float*,
+using PartitionFunction = void (*)(const float* const*, const void*, const void*, Partition, float, float*, float*,
                                    float*, float* const*);
 
-template <int CHUNKS>
+template <typename Element, int CHUNKS>
 PartitionFunction partition_function(int heads) {
   switch (heads) {
-    case 1: return attend_partition<CHUNKS, 1>;
-    case 2: return attend_partition<CHUNKS, 2>;
-    case 3: return attend_partition<CHUNKS, 3>;
-    default: return attend_partition<CHUNKS, 4>;
+    case 1: return attend_partition<Element, CHUNKS, 1>;
+    case 2: return attend_partition<Element, CHUNKS, 2>;
+    case 3: return attend_partition<Element, CHUNKS, 3>;
+    default: return attend_partition<Element, CHUNKS, 4>;
   }
 }
 
@@ -182,16 +204,26 @@ int heads_per_pass(int64_t head_dim) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxHeadsPerPass, 24 / (head_dim / 16) - 1)));
 }
 
+template <typename Element>
 PartitionFunction partition_function(int64_t head_dim, int heads) {
   switch (head_dim) {
-    case 16: return partition_function<1>(heads);
-    case 32: return partition_function<2>(heads);
-    case 64: return partition_function<4>(heads);
-    case 80: return partition_function<5>(heads);
-    case 96: return partition_function<6>(heads);
-    case 128: return partition_function<8>(heads);
-    case 256: return partition_function<16>(heads);
+    case 16: return partition_function<Element, 1>(heads);
+    case 32: return partition_function<Element, 2>(heads);
+    case 64: return partition_function<Element, 4>(heads);
+    case 80: return partition_function<Element, 5>(heads);
+    case 96: return partition_function<Element, 6>(heads);
+    case 128: return partition_function<Element, 8>(heads);
+    case 256: return partition_function<Element, 16>(heads);
     default: return nullptr;
+  }
+}
+
+// For caches of this dtype (float32, float16 or bfloat16).
+PartitionFunction partition_function(at::ScalarType dtype, int64_t head_dim, int heads) {
+  switch (dtype) {
+    case at::kBFloat16: return partition_function<c10::BFloat16>(head_dim, heads);
+    case at::kHalf: return partition_function<c10::Half>(head_dim, heads);
+    default: return partition_function<float>(head_dim, heads);
   }
 }
 
@@ -200,11 +232,7 @@ PartitionFunction partition_function(int64_t head_dim, int heads) {
 
 bool decode_attention_supported(int64_t head_dim) {
 #ifdef ANTIPHON_DECODE_ATTENTION
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return avx512 && partition_function(head_dim, 1) != nullptr;
+  return antiphon::avx512f_supported() && partition_function(at::kFloat, head_dim, 1) != nullptr;
 #else
   (void)head_dim;
   return false;
@@ -218,10 +246,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
                   context_lens.is_cpu(),
               "decode attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [rows, heads, head_dim] float32");
-  TORCH_CHECK(key_cache.dim() == 3 && key_cache.scalar_type() == at::kFloat && key_cache.is_contiguous() &&
-                  value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == at::kFloat &&
-                  value_cache.is_contiguous(),
-              "the caches must be contiguous [slots, kv_heads, head_dim] float32 of one shape");
+  const at::ScalarType cache_dtype = key_cache.scalar_type();
+  TORCH_CHECK(key_cache.dim() == 3 &&
+                  (cache_dtype == at::kFloat || cache_dtype == at::kHalf || cache_dtype == at::kBFloat16) &&
+                  key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == cache_dtype && value_cache.is_contiguous(),
+              "the caches must be contiguous [slots, kv_heads, head_dim] of one shape and one dtype, float32, "
+              "float16 or bfloat16");
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t slots = key_cache.size(0), kv_heads = key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == head_dim, "q's head_dim ", head_dim, ", the cache's ", key_cache.size(2));
@@ -256,8 +287,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
 #ifdef ANTIPHON_DECODE_ATTENTION
   const int64_t group = heads / kv_heads, per_pass = heads_per_pass(head_dim);
   const float* q_data = query.data_ptr<float>();
-  const float* key_data = key_cache.data_ptr<float>();
-  const float* value_data = value_cache.data_ptr<float>();
+  const void* key_data = key_cache.data_ptr();
+  const void* value_data = value_cache.data_ptr();
   const int64_t* table_data = tables.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
@@ -294,7 +325,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
           queries[h] = q_data + (r * heads + g * group + h0 + h) * head_dim;
           sums[h] = weighted.data() + h * head_dim;
         }
-        partition_function(head_dim, pass)(queries, key_data, value_data, Partition{offsets.data(), length},
+        partition_function(cache_dtype, head_dim, pass)(queries, key_data, value_data, Partition{offsets.data(), length},
                                            scale_f, scores.data(), largest, totals, sums);
         for (int h = 0; h < pass; ++h) {
           if (whole) {

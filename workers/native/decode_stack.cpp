@@ -25,12 +25,15 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "decode_attention.h"
 #include "float32_product.h"
 #include "int4_product.h"
 #include "rms_norm.h"
+
+#include "avx512_util.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
 // fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
@@ -42,6 +45,36 @@ namespace {
 enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3, kNativeFloat = 4 };
 
 bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
+
+#ifdef ANTIPHON_AVX512_UTIL
+template <bool BFLOAT16>
+__attribute__((target("avx512f"))) void round_chunks(const float* source, uint16_t* target, int64_t whole_chunks) {
+  for (int64_t c = 0; c < whole_chunks; ++c) {
+    const __m512 values = _mm512_loadu_ps(source + c * antiphon::kLanes);
+    if (BFLOAT16) {
+      antiphon::store_bfloat16(target + c * antiphon::kLanes, values);
+    } else {
+      antiphon::store_float16(target + c * antiphon::kLanes, values);
+    }
+  }
+}
+#endif
+
+// `width` floats rounded to 16 bits (raw bits) as c10::BFloat16 or c10::Half, and so torch's
+// .to(), rounds them: to nearest, ties to even.
+template <typename Element>
+void round_to(const float* source, Element* target, int64_t width) {
+  static_assert(sizeof(Element) == sizeof(uint16_t), "a 16-bit type");
+  int64_t done = 0;
+#ifdef ANTIPHON_AVX512_UTIL
+  if (antiphon::avx512f_supported()) {
+    done = width / antiphon::kLanes * antiphon::kLanes;
+    round_chunks<std::is_same<Element, c10::BFloat16>::value>(source, reinterpret_cast<uint16_t*>(target),
+                                                               width / antiphon::kLanes);
+  }
+#endif
+  for (int64_t i = done; i < width; ++i) target[i] = Element(source[i]);
+}
 
 // Steps of at least this many rows split their norms between the threads (norm, below).
 constexpr int64_t kRowsToSplit = 4;
@@ -74,6 +107,47 @@ struct Layer {
   std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
 };
 
+// cache[slots[t]] = rows[t] for rows [T, kv_heads, head_dim], each row's heads contiguous:
+// what index_copy_ does, as one copy per row (index_copy_ costs ~5-9 us a call here, and a
+// step makes two per layer). Slots are checked as index_copy_ checks them. A bfloat16 cache
+// gets the rows rounded as paged_attention's rows.to(cache dtype) rounds them. Registered as an
+// op too, for the tests that pin it to index_copy_.
+void write_kv_rows(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
+  const at::ScalarType dtype = cache.scalar_type();
+  TORCH_CHECK(cache.is_cpu() && cache.dim() == 3 && cache.is_contiguous() &&
+                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+              "the cache must be contiguous [slots, kv_heads, head_dim] float32, float16 or bfloat16 on the CPU");
+  TORCH_CHECK(rows.dim() == 3, "rows to cache must be [tokens, kv_heads, head_dim]");
+  const int64_t tokens = rows.size(0), width = cache.size(1) * cache.size(2), num_slots = cache.size(0);
+  TORCH_CHECK(slots.is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
+              "slot_mapping must be [tokens] int64 on the CPU");
+  TORCH_CHECK(rows.is_cpu() && rows.scalar_type() == at::kFloat && rows.size(1) == cache.size(1) &&
+                  rows.size(2) == cache.size(2) && (rows.size(2) <= 1 || rows.stride(2) == 1) &&
+                  (rows.size(1) <= 1 || rows.stride(1) == cache.size(2)),
+              "rows to cache must be [tokens, kv_heads, head_dim] float32, each row's heads contiguous");
+  const at::Tensor index = slots.contiguous();
+  const int64_t* slot = index.data_ptr<int64_t>();
+  // All checked before any is written.
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is out of the cache's ", num_slots);
+  }
+  const float* source = rows.data_ptr<float>();
+  if (dtype == at::kBFloat16) {
+    c10::BFloat16* target = cache.data_ptr<c10::BFloat16>();
+    for (int64_t t = 0; t < tokens; ++t) round_to(source + t * rows.stride(0), target + slot[t] * width, width);
+    return;
+  }
+  if (dtype == at::kHalf) {
+    c10::Half* target = cache.data_ptr<c10::Half>();
+    for (int64_t t = 0; t < tokens; ++t) round_to(source + t * rows.stride(0), target + slot[t] * width, width);
+    return;
+  }
+  float* target = cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(target + slot[t] * width, source + t * rows.stride(0), width * sizeof(float));
+  }
+}
+
 }  // namespace
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -87,9 +161,12 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
                  bool native_norm, double scaling, at::Tensor key_cache, at::Tensor value_cache) {
     for (const at::Tensor* cache : {&key_cache, &value_cache}) {
-      TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() && cache->scalar_type() == at::kFloat &&
-                      cache->size(2) == head_dim_,
-                  "KV caches must be contiguous [slots, kv_heads, head_dim] float32");
+      TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() &&
+                      (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kHalf ||
+                       cache->scalar_type() == at::kBFloat16) &&
+                      cache->scalar_type() == key_cache.scalar_type() && cache->size(2) == head_dim_,
+                  "KV caches must be contiguous [slots, kv_heads, head_dim] of one dtype: float32, float16 or "
+                  "bfloat16");
     }
     TORCH_CHECK(!native_norm || rms_norm_supported(), "the native RMSNorm needs AVX-512F");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
@@ -177,15 +254,15 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
       // paged_attention.attend, the one-group decode path.
       at::Tensor q_rows = q[0].transpose(0, 1);
-      write_slots(layer.key_cache, slot_mapping, k[0].transpose(0, 1));
-      write_slots(layer.value_cache, slot_mapping, v[0].transpose(0, 1));
+      write_kv_rows(layer.key_cache, slot_mapping, k[0].transpose(0, 1));
+      write_kv_rows(layer.value_cache, slot_mapping, v[0].transpose(0, 1));
       at::Tensor attended;
       if (native_attention) {
         attended = decode_attention(q_rows, layer.key_cache, layer.value_cache, *block_tables, *context_lens,
                                     block_size, layer.scaling);
       } else {
-        at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length);
-        at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length);
+        at::Tensor keys = context(layer.key_cache, flat_slots, context_start, tokens, length).to(at::kFloat);
+        at::Tensor values = context(layer.value_cache, flat_slots, context_start, tokens, length).to(at::kFloat);
         attended = at::scaled_dot_product_attention(q_rows.unsqueeze(2), keys, values, context_mask, 0.0, false,
                                                     layer.scaling, true)
                        .select(2, 0);
@@ -206,30 +283,6 @@ class DecodeStack : public torch::CustomClassHolder {
                 "a 4-bit product needs its scales and its batched copy");
     return Product{kind, std::move(weight), scales.value_or(at::Tensor()), batched.value_or(at::Tensor()),
                    std::move(bias)};
-  }
-
-  // cache[slots[t]] = rows[t] for rows [T, kv_heads, head_dim], each row's heads contiguous:
-  // what index_copy_ does, as one copy per row (index_copy_ costs ~5-9 us a call here, and a
-  // step makes two per layer). Slots are checked as index_copy_ checks them.
-  static void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
-    const int64_t tokens = rows.size(0), width = cache.size(1) * cache.size(2), num_slots = cache.size(0);
-    TORCH_CHECK(slots.is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
-                "slot_mapping must be [tokens] int64 on the CPU");
-    TORCH_CHECK(rows.is_cpu() && rows.scalar_type() == at::kFloat && rows.size(1) == cache.size(1) &&
-                    rows.size(2) == cache.size(2) && (rows.size(2) <= 1 || rows.stride(2) == 1) &&
-                    (rows.size(1) <= 1 || rows.stride(1) == cache.size(2)),
-                "rows to cache must be [tokens, kv_heads, head_dim] float32, each row's heads contiguous");
-    const at::Tensor index = slots.contiguous();
-    const int64_t* slot = index.data_ptr<int64_t>();
-    // All checked before any is written.
-    for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is out of the cache's ", num_slots);
-    }
-    const float* source = rows.data_ptr<float>();
-    float* target = cache.data_ptr<float>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(target + slot[t] * width, source + t * rows.stride(0), width * sizeof(float));
-    }
   }
 
   // [T, heads, L, head_dim] keys or values of the step's rows: in place, or gathered by slot.
@@ -351,4 +404,5 @@ TORCH_LIBRARY(antiphon_cpu, m) {
       .def("finish", &DecodeStack::finish)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
+  m.def("write_kv_rows(Tensor(a!) cache, Tensor slots, Tensor rows) -> ()", &write_kv_rows);
 }
