@@ -19,15 +19,21 @@ from pathlib import Path
 import torch
 
 TEXT = Path(__file__).parent / "data" / "english.txt"
-ROUNDED_KV_ATTENTION = "sdpa_over_bfloat16_keys"
 
 
-def sdpa_over_bfloat16_keys(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA with keys and values rounded as a bfloat16 KV cache holds them."""
+def attention_over_rounded_keys(dtype: torch.dtype) -> str:
+    """The name of an attention (registered with transformers) that is its SDPA over keys and
+    values rounded to `dtype`, as a KV cache of that dtype holds them."""
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    key, value = (t.to(torch.bfloat16).to(t.dtype) for t in (key, value))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = (t.to(dtype).to(t.dtype) for t in (key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"sdpa_over_{str(dtype).removeprefix('torch.')}_keys"
+    AttentionInterface.register(name, attention)
+    return name
 
 
 def load_text_model(mode: str):
@@ -51,17 +57,13 @@ def load_text_model(mode: str):
     # The engine's norms and output rescoring (workers/model_loader.py).
     choose_native_parts(model)
     # And its KV cache's dtype.
-    from transformers import AttentionInterface
-
+    from workers.inprocess_executor import kv_cache_spec
     from workers.kv_cache_dtype import resolve_kv_cache_dtype
 
-    text = model.config
     kv_dtype = resolve_kv_cache_dtype("auto", model, torch.float32, torch.device("cpu"),
-                                      getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-                                      "torch")
-    if kv_dtype == torch.bfloat16:
-        AttentionInterface.register(ROUNDED_KV_ATTENTION, sdpa_over_bfloat16_keys)
-        model.set_attn_implementation(ROUNDED_KV_ATTENTION)
+                                      kv_cache_spec(model.config, torch.float32).head_dim, "torch")
+    if kv_dtype != torch.float32:
+        model.set_attn_implementation(attention_over_rounded_keys(kv_dtype))
     return model, AutoTokenizer.from_pretrained(path), kv_dtype
 
 

@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # What the KV cache may hold (workers/kv_cache_dtype.py).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # The KV pool on a CPU when kv_cache_memory_gib is not set.
 CPU_KV_CACHE_GIB = 2.0
 

@@ -89,7 +89,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="what the KV cache holds: auto (default) is bfloat16 for CPU models whose layers run "
                             "the native 4-bit product (--quantization auto or int4 here: half the bytes a decode "
                             "step reads, twice the tokens per GiB), else the model's dtype (float32 on CPU, which "
-                            "exact greedy parity needs); another dtype than the model's on CPU only")
+                            "exact greedy parity needs); another dtype than the model's on CPU only (where torch's "
+                            "attention serves, bf16 and int8 modes, it costs a widening copy of each context)")
 
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
                        default=None,

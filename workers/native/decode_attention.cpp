@@ -14,7 +14,7 @@
 // row's result depends only on its own query and context: the same whatever its batch or
 // thread split, so the Python forwards and the C++ stack, which all call it, agree.
 //
-// The caches hold float32, or float16 or bfloat16 (half the bytes to read:
+// The caches hold float32, or bfloat16 (the default mode's: half the bytes to read,
 // workers/kv_cache_dtype.py), widened to float32 in registers, exactly.
 //
 // x86-64 with AVX-512F only (per-function target, so the library still loads elsewhere);
@@ -106,12 +106,6 @@ AVX512_TARGET inline void load_row(const c10::BFloat16* row, __m512* out) {
   for (int c = 0; c < CHUNKS; ++c) out[c] = antiphon::load_bfloat16(bits + 16 * c);
 }
 
-template <int CHUNKS>
-AVX512_TARGET inline void load_row(const c10::Half* row, __m512* out) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  #pragma GCC unroll 16
-  for (int c = 0; c < CHUNKS; ++c) out[c] = antiphon::load_float16(bits + 16 * c);
-}
 
 // HEADS query heads over one partition: for each head, the largest score, the sum of the
 // exponentials, and the unnormalised weighted values, for CHUNKS * 16 = head_dim.
@@ -218,13 +212,10 @@ PartitionFunction partition_function(int64_t head_dim, int heads) {
   }
 }
 
-// For caches of this dtype (float32, float16 or bfloat16).
+// For caches of this dtype (float32 or bfloat16).
 PartitionFunction partition_function(at::ScalarType dtype, int64_t head_dim, int heads) {
-  switch (dtype) {
-    case at::kBFloat16: return partition_function<c10::BFloat16>(head_dim, heads);
-    case at::kHalf: return partition_function<c10::Half>(head_dim, heads);
-    default: return partition_function<float>(head_dim, heads);
-  }
+  return dtype == at::kBFloat16 ? partition_function<c10::BFloat16>(head_dim, heads)
+                                : partition_function<float>(head_dim, heads);
 }
 
 }  // namespace
@@ -248,11 +239,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [rows, heads, head_dim] float32");
   const at::ScalarType cache_dtype = key_cache.scalar_type();
   TORCH_CHECK(key_cache.dim() == 3 &&
-                  (cache_dtype == at::kFloat || cache_dtype == at::kHalf || cache_dtype == at::kBFloat16) &&
+                  (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
                   key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
                   value_cache.scalar_type() == cache_dtype && value_cache.is_contiguous(),
-              "the caches must be contiguous [slots, kv_heads, head_dim] of one shape and one dtype, float32, "
-              "float16 or bfloat16");
+              "the caches must be contiguous [slots, kv_heads, head_dim] of one shape and one dtype, float32 or "
+              "bfloat16");
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t slots = key_cache.size(0), kv_heads = key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == head_dim, "q's head_dim ", head_dim, ", the cache's ", key_cache.size(2));

@@ -25,7 +25,6 @@
 #include <torch/library.h>
 
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "decode_attention.h"
@@ -47,33 +46,25 @@ enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNati
 bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
 
 #ifdef ANTIPHON_AVX512_UTIL
-template <bool BFLOAT16>
-__attribute__((target("avx512f"))) void round_chunks(const float* source, uint16_t* target, int64_t whole_chunks) {
+__attribute__((target("avx512f"))) void round_chunks_to_bfloat16(const float* source, uint16_t* target,
+                                                                 int64_t whole_chunks) {
   for (int64_t c = 0; c < whole_chunks; ++c) {
-    const __m512 values = _mm512_loadu_ps(source + c * antiphon::kLanes);
-    if (BFLOAT16) {
-      antiphon::store_bfloat16(target + c * antiphon::kLanes, values);
-    } else {
-      antiphon::store_float16(target + c * antiphon::kLanes, values);
-    }
+    antiphon::store_bfloat16(target + c * antiphon::kLanes, _mm512_loadu_ps(source + c * antiphon::kLanes));
   }
 }
 #endif
 
-// `width` floats rounded to 16 bits (raw bits) as c10::BFloat16 or c10::Half, and so torch's
-// .to(), rounds them: to nearest, ties to even.
-template <typename Element>
-void round_to(const float* source, Element* target, int64_t width) {
-  static_assert(sizeof(Element) == sizeof(uint16_t), "a 16-bit type");
+// `width` floats rounded to bfloat16 as c10::BFloat16, and so torch's .to(torch.bfloat16),
+// rounds them: to nearest, ties to even.
+void round_to_bfloat16(const float* source, c10::BFloat16* target, int64_t width) {
   int64_t done = 0;
 #ifdef ANTIPHON_AVX512_UTIL
   if (antiphon::avx512f_supported()) {
     done = width / antiphon::kLanes * antiphon::kLanes;
-    round_chunks<std::is_same<Element, c10::BFloat16>::value>(source, reinterpret_cast<uint16_t*>(target),
-                                                               width / antiphon::kLanes);
+    round_chunks_to_bfloat16(source, reinterpret_cast<uint16_t*>(target), width / antiphon::kLanes);
   }
 #endif
-  for (int64_t i = done; i < width; ++i) target[i] = Element(source[i]);
+  for (int64_t i = done; i < width; ++i) target[i] = c10::BFloat16(source[i]);
 }
 
 // Steps of at least this many rows split their norms between the threads (norm, below).
@@ -110,13 +101,13 @@ struct Layer {
 // cache[slots[t]] = rows[t] for rows [T, kv_heads, head_dim], each row's heads contiguous:
 // what index_copy_ does, as one copy per row (index_copy_ costs ~5-9 us a call here, and a
 // step makes two per layer). Slots are checked as index_copy_ checks them. A bfloat16 cache
-// gets the rows rounded as paged_attention's rows.to(cache dtype) rounds them. Registered as an
+// gets the rows rounded as paged_attention's rows.to(torch.bfloat16) rounds them. Registered as an
 // op too, for the tests that pin it to index_copy_.
 void write_kv_rows(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   const at::ScalarType dtype = cache.scalar_type();
   TORCH_CHECK(cache.is_cpu() && cache.dim() == 3 && cache.is_contiguous() &&
-                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
-              "the cache must be contiguous [slots, kv_heads, head_dim] float32, float16 or bfloat16 on the CPU");
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "the cache must be contiguous [slots, kv_heads, head_dim] float32 or bfloat16 on the CPU");
   TORCH_CHECK(rows.dim() == 3, "rows to cache must be [tokens, kv_heads, head_dim]");
   const int64_t tokens = rows.size(0), width = cache.size(1) * cache.size(2), num_slots = cache.size(0);
   TORCH_CHECK(slots.is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens,
@@ -134,12 +125,9 @@ void write_kv_rows(const at::Tensor& cache, const at::Tensor& slots, const at::T
   const float* source = rows.data_ptr<float>();
   if (dtype == at::kBFloat16) {
     c10::BFloat16* target = cache.data_ptr<c10::BFloat16>();
-    for (int64_t t = 0; t < tokens; ++t) round_to(source + t * rows.stride(0), target + slot[t] * width, width);
-    return;
-  }
-  if (dtype == at::kHalf) {
-    c10::Half* target = cache.data_ptr<c10::Half>();
-    for (int64_t t = 0; t < tokens; ++t) round_to(source + t * rows.stride(0), target + slot[t] * width, width);
+    for (int64_t t = 0; t < tokens; ++t) {
+      round_to_bfloat16(source + t * rows.stride(0), target + slot[t] * width, width);
+    }
     return;
   }
   float* target = cache.data_ptr<float>();
@@ -162,11 +150,9 @@ class DecodeStack : public torch::CustomClassHolder {
                  bool native_norm, double scaling, at::Tensor key_cache, at::Tensor value_cache) {
     for (const at::Tensor* cache : {&key_cache, &value_cache}) {
       TORCH_CHECK(cache->dim() == 3 && cache->is_contiguous() &&
-                      (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kHalf ||
-                       cache->scalar_type() == at::kBFloat16) &&
+                      (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kBFloat16) &&
                       cache->scalar_type() == key_cache.scalar_type() && cache->size(2) == head_dim_,
-                  "KV caches must be contiguous [slots, kv_heads, head_dim] of one dtype: float32, float16 or "
-                  "bfloat16");
+                  "KV caches must be contiguous [slots, kv_heads, head_dim] of one dtype: float32 or bfloat16");
     }
     TORCH_CHECK(!native_norm || rms_norm_supported(), "the native RMSNorm needs AVX-512F");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), input_eps, post_attention_eps,
