@@ -2,9 +2,9 @@
 
 The text (benchmarks/data/english.txt, written for this repo) is scored in windows of
 `--window` tokens; each mode converts the same float32 checkpoint with the engine's own code
-(workers/cpu_linear.py), and where serving would cache keys and values in bfloat16
-(workers/kv_cache_dtype.py) attention sees them rounded so, as it does when served; so the
-numbers say what a mode costs in quality.
+(workers/cpu_linear.py), so the numbers say what a mode costs in quality. `--kv-cache-dtype
+bfloat16` scores the modes with their keys and values rounded as a bfloat16 KV cache holds
+them (workers/kv_cache_dtype.py).
 
     python benchmarks/perplexity.py
 """
@@ -36,7 +36,7 @@ def attention_over_rounded_keys(dtype: torch.dtype) -> str:
     return name
 
 
-def load_text_model(mode: str):
+def load_text_model(mode: str, kv_cache_dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.checkpoint import ensure_default_model
@@ -57,11 +57,9 @@ def load_text_model(mode: str):
     # The engine's norms and output rescoring (workers/model_loader.py).
     choose_native_parts(model)
     # And its KV cache's dtype.
-    from workers.inprocess_executor import kv_cache_spec
     from workers.kv_cache_dtype import resolve_kv_cache_dtype
 
-    kv_dtype = resolve_kv_cache_dtype("auto", model, torch.float32, torch.device("cpu"),
-                                      kv_cache_spec(model.config, torch.float32).head_dim, "torch")
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, torch.device("cpu"), "torch")
     if kv_dtype != torch.float32:
         model.set_attn_implementation(attention_over_rounded_keys(kv_dtype))
     return model, AutoTokenizer.from_pretrained(path), kv_dtype
@@ -82,13 +80,13 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
     return math.exp(total_nll / count)
 
 
-def measure(modes: list[str], window: int) -> dict[str, tuple[float, str]]:
+def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict[str, tuple[float, str]]:
     """mode -> (perplexity, the KV cache's dtype when served)."""
     from workers import cpu_int4
 
     results = {}
     for mode in modes:
-        model, tokenizer, kv_dtype = load_text_model(mode)
+        model, tokenizer, kv_dtype = load_text_model(mode, kv_cache_dtype)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
         # 4-bit layers run their bfloat16 copy above a kernel's max_rows rows (cpu_int4.py); scoring
         # whole windows through the 4-bit kernel instead measures what decoding one stream uses.
@@ -107,6 +105,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+                        help="score with keys and values as a KV cache of this dtype holds them (auto: the model's)")
     parser.add_argument("--int4-kernel", choices=["process", "native", "torch"], default="process",
                         help="the 4-bit layers' kernel (cpu_int4.py): the one serving would use, or either")
     args = parser.parse_args()
@@ -120,7 +120,7 @@ def main() -> None:
         cpu_int4.native_kernel_available = lambda wait=True: forced
     kernel = "native" if cpu_int4.native_kernel_available() else "torch's"
     started = time.perf_counter()
-    results = measure([*QUANTIZATION_MODES, "auto"], args.window)
+    results = measure([*QUANTIZATION_MODES, "auto"], args.window, args.kv_cache_dtype)
     print("| mode | KV cache | perplexity | vs none |\n|---|---|---|---|")
     for mode, (value, kv_dtype) in results.items():
         print(f"| {mode} | {kv_dtype} | {value:.3f} | {value / results['none'][0]:.3f}x |")

@@ -50,9 +50,9 @@ class EngineConfig:
     decode_graphs: str = "auto"
     max_graph_batch_size: int = 256
     enable_prefix_caching: bool = True
-    # The KV cache's element type (workers/kv_cache_dtype.py): "auto" is bfloat16 for a CPU
-    # model whose layers run the native 4-bit product (half the bytes a decode step reads),
-    # else the model's dtype; a dtype other than the model's is served on CPU only.
+    # The KV cache's element type (workers/kv_cache_dtype.py): "auto" is the model's dtype;
+    # "bfloat16" halves a float32 CPU model's cache (approximate: keys and values are rounded).
+    # A dtype other than the model's is served on CPU only.
     kv_cache_dtype: str = "auto"
 
     # Token budget of one step, shared by decodes and prefill chunks.

@@ -477,7 +477,7 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
     """The bound `auto` promises (cpu_linear.AUTO_PERPLEXITY_BOUND of exact mode's) on
     benchmarks/data/english.txt, each 4-bit kernel scoring whole windows, as one stream's
     decode steps use it (a native kernel whose minimums' term took the plain input sum stood
-    at 1.027x), with the KV cache's dtype as served."""
+    at 1.027x)."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
@@ -494,11 +494,7 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
         if mode == "auto":
             layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
             assert len(layers) == 210 and all(layer.int4.native == int4_kernel for layer in layers)
-        # Served so, its keys and values are cached in bfloat16 where its layers are native
-        # (workers/kv_cache_dtype.py): the score sees them rounded.
-        native_attention = (native_decode.takes_native_kernels(model)
-                            and torch.ops.antiphon_cpu.decode_attention_supported(64))
-        assert kv_dtype == (torch.bfloat16 if mode == "auto" and int4_kernel and native_attention else torch.float32)
+        assert kv_dtype == torch.float32  # as served (auto: the model's dtype)
         ids = tokenizer(perplexity.TEXT.read_text())["input_ids"]
         scores[mode] = perplexity.perplexity(model, ids, 512)
     assert 20 < scores["none"] < 40

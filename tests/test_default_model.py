@@ -72,8 +72,8 @@ def quiz_scores(mode: str) -> list[int]:
 
 
 def test_the_default_mode_answers_the_quiz_as_well_as_exact_mode_also_from_the_prefix_cache():
-    """The default mode's numbers are approximate (4-bit weights, 8-bit or bfloat16 activations,
-    a bfloat16 KV cache), so a near tie can fall either way: exact mode prefers "The capital of
+    """The default mode's numbers are approximate (4-bit weights, 8-bit or bfloat16 activations),
+    so a near tie can fall either way: exact mode prefers "The capital of
     France is Paris" to "L'Étoile, ..." by 0.08 nats, and llama.cpp, like the default mode after
     some prefix-cache hits, answers in French. One answer is no measure of a mode; thirty are:
     the default mode must get as many right as exact mode (less one), on a first ask and on a

@@ -1,8 +1,7 @@
-"""--kv-cache-dtype: a CPU model whose layers run the native 4-bit product caches keys and
-values in bfloat16 (auto); every other model its own dtype. A bfloat16 cache is what attention
-sees everywhere: the engine's greedy tokens equal transformers' with keys and values rounded to
-bfloat16, whatever the chunking, prefix-cache hits or batch. The C++ stack's cache writes round
-as torch does, and a budget holds twice the blocks."""
+"""--kv-cache-dtype: auto caches the model's dtype; bfloat16 on a float32 CPU model is what
+attention sees everywhere: the engine's greedy tokens equal transformers' with keys and values
+rounded to bfloat16, whatever the chunking, prefix-cache hits or batch. The C++ stack's cache
+writes round as torch does, and a budget holds twice the blocks."""
 
 import logging
 
@@ -14,7 +13,7 @@ from benchmarks.perplexity import attention_over_rounded_keys
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.test_greedy_parity import MAX_TOKENS, make_prompts
-from workers import native_decode
+from workers import cpu_decode_attention, native_decode
 from workers.kv_cache_dtype import resolve_kv_cache_dtype
 
 
@@ -24,17 +23,14 @@ def kv_dtype(llm: LLM) -> torch.dtype:
     return caches[0][0].dtype
 
 
-def native_int4_attends_natively() -> bool:
-    return (native_decode.wait_until_built(600) and native_decode.int4_product_available()
-            and bool(torch.ops.antiphon_cpu.decode_attention_supported(64)))
-
-
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
-def test_auto_is_bfloat16_only_for_native_int4_layers(tiny_llama, mode):
-    llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)
-    expected = torch.bfloat16 if mode == "int4" and native_int4_attends_natively() else torch.float32
-    assert kv_dtype(llm) == expected
-    # And it serves.
+def test_auto_caches_the_models_dtype_and_bfloat16_serves_every_mode(tiny_llama, mode):
+    assert kv_dtype(LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)) == torch.float32
+    llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64, kv_cache_dtype="bfloat16")
+    assert kv_dtype(llm) == torch.bfloat16
+    # The native decode attention reads it where the layers are native (4-bit, exact mode's float32).
+    model = llm.engine.core.executor.model
+    assert llm.engine.core.executor.runner.native_attention == cpu_decode_attention.serves(model, 64)
     output = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(output.token_ids) == 5
 
@@ -49,16 +45,15 @@ def test_a_budget_holds_twice_the_blocks_in_bfloat16(tiny_llama):
 
 
 def test_a_dtype_other_than_the_models_is_served_on_cpu_with_torch_attention_only(caplog, tiny_llama):
-    model = torch.nn.Linear(2, 2)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for device, backend in ((cuda, "triton"), (cuda, "torch"), (cpu, "triton")):
         with pytest.raises(ValueError, match="torch attention on CPU only"):
-            resolve_kv_cache_dtype("bfloat16", model, torch.float32, device, 64, backend)
+            resolve_kv_cache_dtype("bfloat16", torch.float32, device, backend)
         # The model's own dtype, or auto, anywhere.
-        assert resolve_kv_cache_dtype("float32", model, torch.float32, device, 64, backend) == torch.float32
-        assert resolve_kv_cache_dtype("auto", model, torch.float16, device, 64, backend) == torch.float16
+        assert resolve_kv_cache_dtype("float32", torch.float32, device, backend) == torch.float32
+        assert resolve_kv_cache_dtype("auto", torch.float16, device, backend) == torch.float16
     with caplog.at_level(logging.WARNING, logger="antiphon"):
-        assert resolve_kv_cache_dtype("bfloat16", model, torch.float32, cpu, 64, "torch") == torch.bfloat16
+        assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu, "torch") == torch.bfloat16
     assert "may differ from transformers" in caplog.text
     for bad in ("fp8", "float16"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):

@@ -199,22 +199,27 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
         assert runner.lean.native.native_attention == 0
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int4-torch"])
-def test_native_decode_steps_over_a_bfloat16_cache_with_sdpa_give_the_models_logits_bitwise(tmp_path, mode,
-                                                                                          native_stack, monkeypatch):
-    """An explicit bfloat16 KV cache under modes whose attention is SDPA: the C++ stack rounds
-    its cache writes as the Python forwards' .to() does and widens what SDPA reads."""
+@pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch"])
+def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwise(tmp_path, mode, native_stack,
+                                                                                monkeypatch):
+    """--kv-cache-dtype bfloat16: the C++ stack rounds its cache writes as the Python forwards'
+    .to() does, and both read the cache alike, through the native decode attention (native
+    layers) or SDPA over widened contexts (the others)."""
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256)
     llm = LLM(str(checkpoint), quantization=quantization(mode, monkeypatch), kv_cache_dtype="bfloat16",
               num_kv_blocks=256, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
-    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and not runner.native_attention
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.native_attention == attends_natively(mode)
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
-    assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
+    assert runner.lean.native.steps > 20
+    if runner.native_attention:
+        assert runner.lean.native.native_attention == runner.lean.native.steps
+    else:
+        assert runner.lean.native.in_place > 0
 
 
 @pytest.mark.parametrize("native_norm", [False, True])

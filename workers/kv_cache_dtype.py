@@ -1,19 +1,22 @@
 """What the paged KV cache holds (--kv-cache-dtype).
 
-"auto" gives bfloat16 to a CPU model whose layers run the native 4-bit product (the default
-model in the default mode): a decode step reads every row's whole context from the cache, and
-with 16 streams that reading waits on memory (README, "CPU speed": 7-8 ms of a 23.5-25 ms
-16-row step in float32); bfloat16 halves its bytes (the native decode attention widens them
-back to float32 in registers, exactly) and a memory budget holds twice the tokens. Such a
-model's numbers are approximate already (8-bit or bfloat16 activations); the README gives
-each mode's perplexity with its cache dtype. Every other model keeps its own dtype: exact
-mode's greedy parity with transformers needs float32 keys and values, and bf16 or int8
-models keep torch's attention, where a 16-bit cache would cost a widening copy of every
-context per layer instead of saving reads.
+"auto" is the model's dtype: float32 on CPU, which exact mode's greedy parity with
+transformers needs. "bfloat16" on a float32 CPU model halves the cache's bytes: a memory
+budget holds twice the tokens, and where the native decode attention serves (models whose
+layers run native products: the default model in the default mode) a decode step reads half
+the bytes from the cache, widened back to float32 in registers, exactly. Measured there
+(README, "CPU speed"): 16-row steps of 14.3-15.2 ms against 16.5-16.8, one-row steps alike,
+perplexity 27.08 against 27.03. It is not the default because the default model's answers
+sit on near ties that its rounding tips: the README's first question, asked a second time
+over the Realtime socket (its prompt then mostly from the prefix cache), was answered
+"L'Étoile, la Marseillaise, la femme au martyre, ..." on and on with bfloat16 keys and
+"The capital of France is Paris." with float32 ones.
 
 A dtype other than the model's is served on CPU by the torch attention only: the cache
 writes round the step's keys and values (rows.to(cache dtype), or decode_stack.cpp's same
-rounding) and the readers widen what they read; the Triton kernels take the model's dtype.
+rounding), every reader widens what it reads, and a prompt chunk attends to its own keys as
+they will be cached (workers/paged_attention.py); the Triton kernels take the model's dtype.
+Where torch's SDPA attends (bf16 and int8 modes) it costs a widening copy of every context.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from workers import cpu_decode_attention, native_decode
 
 logger = logging.getLogger("antiphon")
 
@@ -38,13 +39,10 @@ def check_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.d
                          "attention on CPU only; elsewhere the cache holds the model's dtype (auto)")
 
 
-def resolve_kv_cache_dtype(setting: str, model: torch.nn.Module, model_dtype: torch.dtype, device: torch.device,
-                           head_dim: int, attention_backend: str) -> torch.dtype:
+def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device,
+                           attention_backend: str) -> torch.dtype:
     check_kv_cache_dtype(setting, model_dtype, device, attention_backend)
     if setting == "auto":
-        if device.type == "cpu" and attention_backend == "torch" and model_dtype == torch.float32 and \
-                native_decode.runs_native_int4(model) and cpu_decode_attention.serves(model, head_dim):
-            return torch.bfloat16
         return model_dtype
     dtype = getattr(torch, setting)
     if dtype != model_dtype:
