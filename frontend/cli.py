@@ -90,7 +90,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "exact greedy parity needs); bfloat16 halves a float32 CPU model's cache (twice the "
                             "tokens per GiB; where the native decode attention serves, as for the default model "
                             "here, half the bytes a decode step reads: ~1.1x at 16 streams) at the cost of rounding "
-                            "keys and values; another dtype than the model's on CPU only
+                            "keys and values; another dtype than the model's on CPU only")
 
     group.add_argument("--quantization", choices=["auto", *QUANTIZATION_MODES],
                        default=None,
