@@ -13,7 +13,8 @@ Engines, taking turns within every repetition (this machine's speed drifts over 
 Measured, median over the repetitions, the same chat token ids for every engine:
   one stream: decode tok/s after the first token of a 128-token greedy answer to a chat turn,
   and that turn's time to first token; prefill of 500 tokens (tok/s; fresh random ids of that
-  length for every engine and round, so no cache hit); 16 streams x 128 tokens, total tok/s.
+  length for every engine and round, so no cache hit); 16 streams x 128 tokens, total tok/s
+  (their prompts' prefill included) and decode tok/s once every stream has its first token.
 Then: the float32 bandwidth limit (memory read GB/s measured here / float32 bytes read per
 token), the modes' perplexity (benchmarks/perplexity.py), and the engines' startup time.
 
@@ -129,7 +130,7 @@ def antiphon_prefill(llm: LLM, prompt: list[int]) -> float:
 
 def antiphon_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
     """(total tok/s from the first call on, prompts included; decode tok/s once every stream
-    has its first token, as the one-stream decode figure counts)."""
+    has its first token, as the one-stream decode figure counts, or None with max_tokens 1)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
     counts: dict[str, int] = {}
@@ -140,6 +141,8 @@ def antiphon_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
             all_started, tokens_then = time.perf_counter(), sum(counts.values())
     ended = time.perf_counter()
     total = sum(counts.values())
+    if all_started is None or total <= tokens_then:  # no token came after every stream's first
+        return total / (ended - started), None
     return total / (ended - started), (total - tokens_then) / (ended - all_started)
 
 
@@ -268,7 +271,8 @@ def main() -> None:
                 if prefill is not None:
                     record(name, "prefill", prefill)
                     record(name, "batch", total)
-                    record(name, "batch_decode", batch_decode)
+                    if batch_decode is not None:
+                        record(name, "batch_decode", batch_decode)
         print(f"round {rep} done{'' if warm else ' (warm-up)'}", flush=True)
     if llama is not None:
         llama.close()
@@ -329,11 +333,13 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
         default = med("default", "decode")
         print(f"default mode vs llama.cpp: one stream {default / peer:.2f}x (aim: >= 1), "
               f"{streams} streams {med('default', 'batch') / med('llama.cpp', 'batch'):.2f}x (aim: >= 2)")
+    decode_alone = ""
+    if med("exact", "batch_decode") is not None and med("default", "batch_decode") is not None:
+        decode_alone = (f"; decode alone on both sides: exact {med('exact', 'batch_decode') / exact:.2f}x, default "
+                        f"{med('default', 'batch_decode') / med('default', 'decode'):.2f}x")
     print(f"{streams} streams vs one stream: exact {med('exact', 'batch') / exact:.2f}x, "
           f"default {med('default', 'batch') / med('default', 'decode'):.2f}x (aim: > 6; {streams} streams' total, "
-          f"their prompts' prefill included, over one stream's decode); decode alone on both sides: exact "
-          f"{med('exact', 'batch_decode') / exact:.2f}x, default "
-          f"{med('default', 'batch_decode') / med('default', 'decode'):.2f}x")
+          f"their prompts' prefill included, over one stream's decode){decode_alone}")
     if perplexities:
         from workers.cpu_linear import AUTO_PERPLEXITY_BOUND
 

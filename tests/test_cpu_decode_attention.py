@@ -122,7 +122,7 @@ def test_a_strided_query_is_read_as_its_values():
 
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
 def test_a_bfloat16_cache_is_read_as_its_float32_values(head_dim):
-    """A bfloat16 cache (the default mode's) gives bitwise what a float32 cache of the same
+    """A bfloat16 cache (--kv-cache-dtype bfloat16) gives bitwise what a float32 cache of the same
     values gives: its elements are widened exactly, nothing else changes."""
     lengths = [1, 17, 256, 300]
     q, keys, values, tables, lens = paged_batch(len(lengths), 9, 3, head_dim, lengths)

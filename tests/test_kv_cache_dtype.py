@@ -13,8 +13,10 @@ from benchmarks.perplexity import attention_over_rounded_keys
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.test_greedy_parity import MAX_TOKENS, make_prompts
-from workers import cpu_decode_attention, native_decode
+from tests.test_lean_decoder import attends_natively
+from workers import native_decode
 from workers.kv_cache_dtype import resolve_kv_cache_dtype
+from workers.paged_attention import PagedAttentionMetadata, PrefillSpan, attend, prefill_attention
 
 
 def kv_dtype(llm: LLM) -> torch.dtype:
@@ -29,8 +31,7 @@ def test_auto_caches_the_models_dtype_and_bfloat16_serves_every_mode(tiny_llama,
     llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64, kv_cache_dtype="bfloat16")
     assert kv_dtype(llm) == torch.bfloat16
     # The native decode attention reads it where the layers are native (4-bit, exact mode's float32).
-    model = llm.engine.core.executor.model
-    assert llm.engine.core.executor.runner.native_attention == cpu_decode_attention.serves(model, 64)
+    assert llm.engine.core.executor.runner.native_attention == attends_natively(mode)
     output = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(output.token_ids) == 5
 
@@ -100,8 +101,26 @@ def test_a_bfloat16_cache_gives_transformers_tokens_over_rounded_keys(rounded_ca
     assert kv_dtype(llm) == torch.bfloat16
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    # Again: the prompts' blocks now come from the prefix cache.
-    assert [o.token_ids for o in llm.generate(prompts[:3], params[:3])] == expected[:3]
+    # Again (17 and 30 tokens: whole blocks): the prompts' blocks now come from the prefix cache.
+    again = llm.generate(prompts[1:3], params[1:3])
+    assert [o.token_ids for o in again] == expected[1:3]
+    if engine_kwargs.get("enable_prefix_caching", True):
+        assert min(o.num_cached_tokens for o in again) > 0
+
+
+def test_a_first_chunk_attends_to_its_keys_as_the_cache_holds_them():
+    """A prompt's first chunk (no cached context) attends to its own keys and values rounded
+    to the cache's dtype, as every later read of them will."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, heads, 16, generator=generator) for heads in (4, 2, 2))
+    caches = [(torch.zeros(32, 2, 16, dtype=torch.bfloat16), torch.zeros(32, 2, 16, dtype=torch.bfloat16))]
+    meta = PagedAttentionMetadata(slot_mapping=torch.arange(7), decode_groups=[],
+                                  prefill_spans=[PrefillSpan(0, 7)], kv_caches=caches, max_context_len=7)
+    out = attend(meta, 0, q, k, v, 0.25, None)
+    rounded = prefill_attention(q, k.bfloat16().float(), v.bfloat16().float(), None, 0.25)
+    assert torch.equal(out, rounded)
+    assert not torch.equal(out, prefill_attention(q, k, v, None, 0.25))
+    assert torch.equal(caches[0][0][:7], k.bfloat16()) and torch.equal(caches[0][1][:7], v.bfloat16())
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
-from workers.kv_cache_dtype import resolve_kv_cache_dtype
+from workers import kv_cache_dtype
 from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner
@@ -42,7 +42,8 @@ class InProcessExecutor:
         served_len = config.max_model_len if config.max_model_len is not None else self.model_max_len
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
         # Before the weights load: the model's dtype is known already.
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, self.attention_backend)
+        self.kv_cache_dtype = kv_cache_dtype.resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device,
+                                                                    self.attention_backend)
         self.adapter = adapter_for(path, model_config)
         self.model = load_model(path, model_config, dtype, device, served_len, self.adapter, config.quantization)
         self.max_embeddings_per_item = self.adapter.max_embeddings_per_item() if self.adapter else 0
@@ -51,7 +52,7 @@ class InProcessExecutor:
             self.embedding_source = InProcessEncoder(self.adapter, dtype, device, global_encoder_cache_size(
                 config, self.max_embeddings_per_item, self.adapter.embedding_size() * dtype.itemsize))
         self.kv_cache_spec = kv_cache_spec(model_config, self.kv_cache_dtype)
-        logger.info("KV cache holds %s (--kv-cache-dtype %s)", str(self.kv_cache_dtype).removeprefix("torch."),
+        logger.info("KV cache holds %s (--kv-cache-dtype %s)", kv_cache_dtype.name(self.kv_cache_dtype),
                     config.kv_cache_dtype)
         self.model_config = model_config
         self.model_dtype = dtype

@@ -28,28 +28,25 @@ import torch
 logger = logging.getLogger("antiphon")
 
 
-def check_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device,
-                         attention_backend: str) -> None:
-    """Refuses, before the model loads, a setting this device and backend do not serve.
-    `attention_backend` resolved ("torch" or "triton": workers/paged_attention.py)."""
-    if setting == "auto" or getattr(torch, setting) == model_dtype:
-        return
-    if device.type != "cpu" or attention_backend != "torch":
-        raise ValueError(f"--kv-cache-dtype {setting} with a {_name(model_dtype)} model is served by the torch "
-                         "attention on CPU only; elsewhere the cache holds the model's dtype (auto)")
-
-
 def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device,
                            attention_backend: str) -> torch.dtype:
-    check_kv_cache_dtype(setting, model_dtype, device, attention_backend)
+    """The cache's dtype for `setting`; refuses one this device and backend do not serve.
+    Needs no weights: the executor asks before loading them. `attention_backend` resolved
+    ("torch" or "triton": workers/paged_attention.py)."""
     if setting == "auto":
         return model_dtype
     dtype = getattr(torch, setting)
-    if dtype != model_dtype:
+    if dtype == model_dtype:
+        return dtype
+    if device.type != "cpu" or attention_backend != "torch":
+        raise ValueError(f"--kv-cache-dtype {setting} with a {name(model_dtype)} model is served by the torch "
+                         "attention on CPU only; elsewhere the cache holds the model's dtype (auto)")
+    if dtype != torch.float32:  # a float32 cache holds any model's values exactly
         logger.warning("KV cache in %s for a %s model: keys and values are rounded when cached, so greedy answers "
-                       "may differ from transformers'", setting, _name(model_dtype))
+                       "may differ from transformers'", setting, name(model_dtype))
     return dtype
 
 
-def _name(dtype: torch.dtype) -> str:
+def name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")

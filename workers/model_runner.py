@@ -97,12 +97,11 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = cache_shape.block_size
         num_slots = cache_shape.num_blocks * cache_shape.block_size
-        self.kv_cache_dtype = cache_shape.dtype
         # Zeros, not empty: padded gathers read block 0, which must hold finite values.
         self.kv_caches = [
-            (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.kv_cache_dtype,
+            (torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=cache_shape.dtype,
                          device=self.device),
-             torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=self.kv_cache_dtype,
+             torch.zeros(num_slots, cache_shape.num_kv_heads, cache_shape.head_dim, dtype=cache_shape.dtype,
                          device=self.device))
             for _ in range(cache_shape.num_layers)
         ]

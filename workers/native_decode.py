@@ -146,12 +146,8 @@ def takes_native_kernels(model: torch.nn.Module) -> bool:
     attention for the whole process, whatever the cache's state. (Only their greedy
     candidates' 4-bit copy takes the native kernel if the library is loaded already:
     cpu_output_layer._Int4Selector; it picks candidates, whose logits are float32 either way.)"""
-    return runs_native_int4(model) or any(isinstance(module, Float32Linear) for module in model.modules())
-
-
-def runs_native_int4(model: torch.nn.Module) -> bool:
-    """Whether any of `model`'s layers run the native 4-bit product (int4_product.cpp)."""
-    return any(isinstance(module, cpu_int4.Int4Linear) and module.int4.native for module in model.modules())
+    return any(isinstance(module, Float32Linear) or (isinstance(module, cpu_int4.Int4Linear) and module.int4.native)
+               for module in model.modules())
 
 
 def rms_norm_available() -> bool:

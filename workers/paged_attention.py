@@ -15,8 +15,8 @@ captured in a CUDA graph (workers/decode_graphs.py).
 The step's metadata reaches the layers through `step_metadata` (set by the runner around
 the forward), not through the model's arguments, which then carry only tensors.
 
-A CPU cache may hold another dtype than the model's (bfloat16 for the default mode's float32
-model: workers/kv_cache_dtype.py): the step's keys and values are rounded to it when written
+A CPU cache may hold another dtype than the model's (bfloat16 on request for a float32 model:
+workers/kv_cache_dtype.py): the step's keys and values are rounded to it when written
 and what the torch paths read from the cache is widened back to the queries' dtype. A prefill
 chunk attends to its own keys and values rounded the same way, so every key is seen as the
 cache holds it: an answer does not depend on how its prompt was chunked or found cached.

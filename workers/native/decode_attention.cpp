@@ -1,5 +1,6 @@
 // Decode attention that reads the paged KV cache in place, for CPU decode steps of models
-// whose 4-bit layers run the native kernel (workers/cpu_decode_attention.py says when).
+// whose layers run native products, 4-bit or exact mode's float32
+// (workers/cpu_decode_attention.py says when).
 //
 // The torch path gathers every row's context with index_select (a copy of its keys and values
 // per layer) and runs SDPA over the padded batch; for single-token queries SDPA's CPU kernel
@@ -10,12 +11,13 @@
 // the KV head in one pass over its keys, softmax, weighted values in one pass over its values;
 // a row of several partitions then merges them.
 //
-// Not bitwise SDPA's (its own summation order and exp), so exact mode never takes it. Each
+// Not bitwise SDPA's (its own summation order and exp): within float32 rounding of it, and
+// exact mode's greedy tokens still equal transformers' (the test suite checks them). Each
 // row's result depends only on its own query and context: the same whatever its batch or
 // thread split, so the Python forwards and the C++ stack, which all call it, agree.
 //
-// The caches hold float32, or bfloat16 (the default mode's: half the bytes to read,
-// workers/kv_cache_dtype.py), widened to float32 in registers, exactly.
+// The caches hold float32, or bfloat16 on request (--kv-cache-dtype bfloat16: half the bytes
+// to read, workers/kv_cache_dtype.py), widened to float32 in registers, exactly.
 //
 // x86-64 with AVX-512F only (per-function target, so the library still loads elsewhere);
 // decode_attention_supported() says whether this CPU runs it.
@@ -105,7 +107,6 @@ AVX512_TARGET inline void load_row(const c10::BFloat16* row, __m512* out) {
   #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c) out[c] = antiphon::load_bfloat16(bits + 16 * c);
 }
-
 
 // HEADS query heads over one partition: for each head, the largest score, the sum of the
 // exponentials, and the unnormalised weighted values, for CHUNKS * 16 = head_dim.
