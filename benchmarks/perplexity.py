@@ -31,9 +31,11 @@ def attention_over_rounded_keys(dtype: torch.dtype) -> str:
         key, value = (t.to(dtype).to(t.dtype) for t in (key, value))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    name = f"sdpa_over_{str(dtype).removeprefix('torch.')}_keys"
-    AttentionInterface.register(name, attention)
-    return name
+    from workers.kv_cache_dtype import name
+
+    registered = f"sdpa_over_{name(dtype)}_keys"
+    AttentionInterface.register(registered, attention)
+    return registered
 
 
 def load_text_model(mode: str, kv_cache_dtype: str = "auto"):
@@ -83,6 +85,7 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
 def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict[str, tuple[float, str]]:
     """mode -> (perplexity, the KV cache's dtype when served)."""
     from workers import cpu_int4
+    from workers.kv_cache_dtype import name
 
     results = {}
     for mode in modes:
@@ -93,7 +96,7 @@ def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict
         saved = cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS
         cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_NATIVE_INT4_ROWS = window
         try:
-            results[mode] = perplexity(model, token_ids, window), str(kv_dtype).removeprefix("torch.")
+            results[mode] = perplexity(model, token_ids, window), name(kv_dtype)
         finally:
             cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS = saved
         del model

@@ -317,8 +317,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache, co
           queries[h] = q_data + (r * heads + g * group + h0 + h) * head_dim;
           sums[h] = weighted.data() + h * head_dim;
         }
-        partition_function(cache_dtype, head_dim, pass)(queries, key_data, value_data, Partition{offsets.data(), length},
-                                           scale_f, scores.data(), largest, totals, sums);
+        const PartitionFunction attend_pass = partition_function(cache_dtype, head_dim, pass);
+        attend_pass(queries, key_data, value_data, Partition{offsets.data(), length}, scale_f, scores.data(), largest,
+                    totals, sums);
         for (int h = 0; h < pass; ++h) {
           if (whole) {
             float* dst = out_data + (r * heads + g * group + h0 + h) * head_dim;
