@@ -25,6 +25,7 @@ import zmq
 from engine import protocol
 from engine.config import EngineConfig
 from engine.input_processor import to_request
+from engine.warm_up import warm_up
 from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.decoder")
@@ -79,6 +80,9 @@ class DecoderWorker:
             self.poller.register(self.remote_encoder.embeddings, zmq.POLLIN)
         self.core = EngineCore(self.config, executor, self.remote_encoder)
         self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
+        seconds = warm_up(self.core, executor.vocab_size)
+        if seconds:
+            logger.info("warmed up in %.2f s (two short requests, so the first user's is not the first)", seconds)
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
             num_kv_blocks=self.core.sizes.num_kv_blocks, encoder_budget=self.core.sizes.encoder_budget,
