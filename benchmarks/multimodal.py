@@ -279,7 +279,7 @@ def new_llm(path: Path, scale: Scale, **config):
     warm = [{"prompt": raw_prompt(f"Warm-up {i}: hello there.", " What is it?"),
              "multi_modal_data": {"image": [photo(10_000 + i, scale.image_size)]}} for i in range(2)]
     run_side_by_side([OfflineRun(llm, warm, 2, 2)])
-    llm.engine.core.kv.pool.reset_prefix_cache()
+    llm.engine.core.reset_prefix_cache()
     return llm
 
 

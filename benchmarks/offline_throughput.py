@@ -99,7 +99,7 @@ def shared_prefix_prefill(path, prefix_len: int, num_suffixes: int, suffix_len: 
 
 def warm(llm: LLM) -> None:
     llm.generate([[1, 2, 3, 4, 5] * 20], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    llm.engine.core.kv.pool.reset_prefix_cache()
+    llm.engine.core.reset_prefix_cache()
 
 
 def scheduler_step_time(num_requests: int, steps: int) -> float:

@@ -145,6 +145,10 @@ class EngineCore:
             self._step_thread.shutdown(wait=True)
         self.executor.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache and its hit counters (False while requests hold blocks)."""
+        return self.kv.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(

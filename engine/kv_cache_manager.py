@@ -32,6 +32,14 @@ class KVCacheManager:
         self.num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and the hit counters; False (nothing changed) while a
+        request holds blocks."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self.stats = PrefixCacheStats()
+        return True
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

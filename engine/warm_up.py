@@ -1,17 +1,17 @@
 """A server's start-up warm-up: two short requests through the whole step loop, then forgotten.
 
-Without it the first user's request pays the first-call costs of everything a step touches:
-oneDNN creates its primitives, the native decode stack allocates its buffers, the sampler's
-ops and the scheduler's paths run for the first time. Measured on the default model (two CPU
-cores, Realtime socket, a short chat turn): the server's first answer had its first token after
-182 ms, every later one after ~38 ms. vLLM warms its model runner the same way before it
-serves (dummy runs, graph captures); here real requests do it, so every path a user's first
-step takes has run once: a prompt's prefill, a prefill beside a decode, two decoding together,
-one alone, greedy and sampled tokens.
+Without it the first user's request pays the first-call costs of what a step touches: oneDNN
+creates its primitives, the native kernels (where loaded) and torch's ops run for the first
+time, as do the sampler's and the scheduler's paths. Measured on the default model (two CPU
+cores, Realtime socket, a short chat turn, fresh servers): the first turn's first token came
+after 75-95 ms without it, 62-71 ms with it (later turns ~35 ms: their system prompt is
+cached). vLLM warms up before serving for the same reason, with dummy batches in its workers;
+here real requests go through the scheduler and the sampler too, so that each kind of step a
+user's first request takes has run once: a prefill alone, a prefill beside a decode, two rows
+decoding, one alone, greedy and sampled tokens.
 
-The requests carry their own cache salt, so they share no KV block with a user, and the prefix
-cache and its counters are reset afterwards: the server starts with an empty cache and zero
-statistics, as without the warm-up.
+Afterwards the prefix cache, its counters and the scheduler's are reset: the server starts with
+an empty cache and zero statistics, as without the warm-up.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import logging
 import time
 
 from engine.core import EngineCore
-from engine.kv_cache_manager import PrefixCacheStats
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("antiphon.decoder")
+logger = logging.getLogger("antiphon")
 
 # A short chat turn's prompt: long enough for the batched (prefill) products, short enough to
-# cost well under a second on two cores.
+# cost well under a second on two cores. The greedy request generates enough tokens to still
+# be decoding when the sampled one has its first, with asynchronous scheduling too (where a
+# request that will have finished is not scheduled again).
 PROMPT_TOKENS = (40, 24)
-MAX_TOKENS = (3, 6)
-SALT = "antiphon-warm-up"
+MAX_TOKENS = (4, 8)
 
 
 def warm_up_prompts(vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -41,33 +41,48 @@ def warm_up_prompts(vocab_size: int, max_model_len: int) -> list[list[int]]:
             for offset, length in enumerate(PROMPT_TOKENS)]
 
 
-def warm_up(core: EngineCore, vocab_size: int) -> float:
-    """Runs the warm-up requests to the end and resets what they left behind; returns the
-    seconds it took. A model whose limits refuse the prompts (a tiny test pool) is left cold."""
-    started = time.perf_counter()
-    first, second = warm_up_prompts(vocab_size, core.sizes.max_model_len)
-    requests = [
-        Request("warm-up-greedy", first, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[0], ignore_eos=True),
-                cache_salt=SALT),
-        # Sampled and longer: it decodes alone once the greedy one is done.
-        Request("warm-up-sampled", second, SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=0,
-                                                           max_tokens=MAX_TOKENS[1], ignore_eos=True),
-                cache_salt=SALT),
+def warm_up_requests(core: EngineCore) -> list[Request]:
+    greedy, sampled = warm_up_prompts(core.executor.vocab_size, core.sizes.max_model_len)
+    return [
+        Request("warm-up-greedy", greedy,
+                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[0], ignore_eos=True)),
+        Request("warm-up-sampled", sampled,
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=0, max_tokens=MAX_TOKENS[1],
+                               ignore_eos=True)),
     ]
+
+
+def fits(core: EngineCore, request: Request) -> str | None:
+    """Why the request cannot run to its last token here (None if it can): a refused prompt, or
+    a pool too small for the whole request, where it would be preempted and failed."""
     try:
-        for request in requests:
-            core.check_request(request)
+        core.check_request(request)
     except ValueError as exc:
-        logger.info("start-up warm-up skipped: %s", exc)
-        return 0.0
-    # The second joins after the first's prefill: a step that mixes a prefill with a decode,
-    # then two decoding together, then the sampled one alone.
-    core.add_request(requests[0])
+        return str(exc)
+    needed = core.kv.blocks_needed(len(request.prompt_token_ids) + request.sampling_params.max_tokens)
+    if needed > core.kv.pool.num_usable_blocks:
+        return f"it needs {needed} KV blocks, the pool holds {core.kv.pool.num_usable_blocks}"
+    return None
+
+
+def warm_up(core: EngineCore) -> float:
+    """Runs the warm-up requests to the end and resets what they left behind; returns the
+    seconds it took, or 0.0 where the engine's limits refuse them (a tiny test pool: left cold)."""
+    started = time.perf_counter()
+    greedy, sampled = warm_up_requests(core)
+    for request in (greedy, sampled):
+        reason = fits(core, request)
+        if reason is not None:
+            logger.info("start-up warm-up skipped: %s", reason)
+            return 0.0
+    # The sampled one joins after the greedy one's prefill: a step that mixes a prefill with a
+    # decode, then both decoding, then the sampled one alone.
+    core.add_request(greedy)
     core.step()
-    core.add_request(requests[1])
+    core.add_request(sampled)
     while core.has_unfinished_requests:
         core.step()
-    core.kv.pool.reset_prefix_cache()
-    core.kv.stats = PrefixCacheStats()
+    if not core.reset_prefix_cache():
+        logger.warning("the warm-up's KV blocks are still held: its prefix cache entries stay")
     core.scheduler.num_preemptions = 0
     return time.perf_counter() - started

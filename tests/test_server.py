@@ -67,6 +67,11 @@ def test_streamed_sse_equals_the_plain_answer_and_ends_with_usage(server, offlin
     assert "cached_tokens" in usage["prompt_tokens_details"]
 
 
+def test_the_decoder_warms_up_before_it_says_ready(server):
+    log = server.log_path.read_text()
+    assert "warmed up in" in log and log.index("warmed up in") < log.index("decoder ready")
+
+
 def test_models_health_and_metrics(server):
     assert get_json(server.url + "/health") == (200, {"status": "ok", "voice": "voice is off (--no-voice)"})
     status, models = get_json(server.url + "/v1/models")

@@ -80,7 +80,7 @@ class DecoderWorker:
             self.poller.register(self.remote_encoder.embeddings, zmq.POLLIN)
         self.core = EngineCore(self.config, executor, self.remote_encoder)
         self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
-        seconds = warm_up(self.core, executor.vocab_size)
+        seconds = warm_up(self.core)
         if seconds:
             logger.info("warmed up in %.2f s (two short requests, so the first user's is not the first)", seconds)
         self.outputs.send(protocol.encode(protocol.WorkerReady(
