@@ -1,6 +1,8 @@
 """4-bit CPU weights (--quantization int4, and auto where a checkpoint is 4-bit already) and the
 bfloat16 output matrix whose top candidates are float32 (every mode but exact)."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,7 +115,7 @@ def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_doe
     monkeypatch.setattr(cpu_output_layer._Int4Selector, "CHUNK_ROWS", 32)  # the first chunk fits, the second not
     assert cpu_output_layer._Int4Selector(torch.randn(64, 64)).product.native
     selector = cpu_output_layer._Int4Selector(torch.cat([torch.randn(32, 64) * 0.05, huge]))
-    assert not selector.product.native and selector.product.max_rows == cpu_int4.MAX_INT4_ROWS
+    assert not selector.product.native and selector.product.kernel_max_rows == cpu_int4.MAX_INT4_ROWS
     assert selector(torch.randn(2, 64)).shape == (2, 64)
 
 
@@ -440,7 +442,7 @@ def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatc
     layer = RescoredOutputLayer(linear)
     layer.greedy_step = True
     monkeypatch.setattr(layer, "selector", WatchedSelector(layer.selector, allowed=False))
-    hidden = torch.randn(layer.selector.product.max_rows + 1, 64)
+    hidden = torch.randn(layer.selector.product.kernel_max_rows + 1, 64)
     assert torch.equal(layer(hidden).argmax(-1), F.linear(hidden, linear.weight).argmax(-1))
     # A vocabulary the kernel does not take (not a multiple of 16) has no 4-bit copy.
     assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None
@@ -466,7 +468,7 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
         assert layer.selector.product.native == int4_kernel
         layer.greedy_step = True
         winners, picked = [], []
-        for rows in hidden.split(layer.selector.product.max_rows):
+        for rows in hidden.split(layer.selector.product.kernel_max_rows):
             winners.append(layer(rows).argmax(-1))
             picked.append(layer.greedy_winners)
     assert len(exact_winners) > 700
@@ -515,3 +517,58 @@ def test_the_kernel_benchmark_runs_and_prints_each_kernels_row():
     assert header.split(" | ")[1:1 + len(kinds)] == kinds
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:1 + len(kinds)])
+
+
+def test_a_prompt_step_takes_the_bfloat16_copy_at_every_row_count(int4_kernel):
+    linear = linear_on_grid(128, 80)
+    layer = Int4Linear(linear, quantize_int4(linear.weight))
+    torch.manual_seed(3)
+    x = torch.randn(1, 3, 128)
+    outside = layer(x)
+    with cpu_int4.prompt_step(True):
+        assert layer.int4.max_rows == 0 and cpu_int4.in_prompt_step()
+        inside = layer(x)
+        with cpu_int4.prompt_step(False):
+            assert layer.int4.max_rows > 0
+        assert cpu_int4.in_prompt_step()
+        # Per thread: another thread's forward is not in this step.
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(cpu_int4.in_prompt_step()))
+        worker.start()
+        worker.join()
+        assert seen == [False]
+    assert not cpu_int4.in_prompt_step()
+    assert torch.equal(inside, layer.batched(x))
+    assert torch.equal(layer(x), outside)
+    if int4_kernel:  # 8-bit inputs there, bfloat16 ones in a prompt step
+        assert not torch.equal(inside, outside)
+
+
+def first_token(llm: LLM, prompt: list[int]):
+    """(greedy tokens, the first one's top log-probabilities, prompt tokens from the cache)."""
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=4))[0]
+    return out.token_ids, torch.tensor([lp for _, lp in out.logprobs[0].top]), out.num_cached_tokens
+
+
+@pytest.mark.parametrize("prompt_length,other_prompt", [
+    (40, "shares the first block"),  # the prompt's last 24 tokens in a step of their own
+    (33, "is the same prompt"),  # its last token alone: a one-row step that computes a prompt token
+])
+def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama, int4_kernel, prompt_length,
+                                                                      other_prompt):
+    """The 4-bit mode computes every prompt token from the bfloat16 copy, so a prompt computed
+    whole (more rows than the 4-bit kernels take) and one whose head came from the prefix cache
+    (a few rows, which would take a 4-bit kernel) give the same answer and first log-probabilities."""
+    llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
+    assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Int4Linear)
+    generator = torch.Generator().manual_seed(11)
+    prompt = torch.randint(5, 200, (prompt_length,), generator=generator).tolist()
+    whole_tokens, whole_logprobs, cached = first_token(llm, prompt)
+    assert cached == 0
+    assert llm.engine.core.reset_prefix_cache()
+    first = prompt[:16] + [7] * 8 if other_prompt == "shares the first block" else prompt
+    llm.generate([first], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    tokens, logprobs, cached = first_token(llm, prompt)
+    assert cached == (16 if other_prompt == "shares the first block" else 32)
+    assert tokens == whole_tokens
+    torch.testing.assert_close(logprobs, whole_logprobs, rtol=0, atol=2e-5)

@@ -33,6 +33,8 @@ bf16's 2; the gain is in the bytes a decode step reads (0.5 per weight + scales)
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +48,46 @@ MAX_CODE = 15
 # 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
 # every row count (5x at 1 row, 2x at 32, 1.1x at 512), but its 8-bit inputs in a prompt's
 # prefill moved the default model's greedy answers (its demo answer turned French), so larger
-# steps, prompts mostly, keep the bfloat16 copy.
+# steps keep the bfloat16 copy, and so does every step that computes prompt tokens (below).
 MAX_INT4_ROWS = 8
 MAX_NATIVE_INT4_ROWS = 32
+# Steps that compute prompt tokens take the bfloat16 copy at every row count (`prompt_step`,
+# which the model runner sets per step). A whole prompt of more than MAX_NATIVE_INT4_ROWS tokens
+# took the copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took
+# the native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
+# question was answered "Paris" if asked first and French gibberish once another conversation had
+# cached the system prompt. So a prompt's tokens are computed one way whatever part of it is
+# cached; steps of generated tokens alone keep the 4-bit kernels. Per thread, as a forward runs
+# in the thread that calls it (workers/paged_attention.py's step metadata likewise).
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_step(computes_prompt: bool):
+    """Within this block, 4-bit layers take their bfloat16 copy if `computes_prompt`."""
+    previous = getattr(_step, "computes_prompt", False)
+    _step.computes_prompt = computes_prompt
+    try:
+        yield
+    finally:
+        _step.computes_prompt = previous
+
+
+def in_prompt_step() -> bool:
+    return getattr(_step, "computes_prompt", False)
+
+
+def kernel_rows_limit(native: bool) -> int:
+    """The most rows a 4-bit kernel takes. Read at each call (benchmarks/perplexity.py raises
+    the limits)."""
+    return MAX_NATIVE_INT4_ROWS if native else MAX_INT4_ROWS
+
+
+def rows_limit(native: bool) -> int:
+    """The most rows a 4-bit layer's kernel takes in this step: none in a prompt step."""
+    return 0 if in_prompt_step() else kernel_rows_limit(native)
+
+
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
 GRID_TOLERANCE = 1e-3
 PROBE_ROWS = 16
@@ -162,9 +201,15 @@ class Int4Product:
 
     @property
     def max_rows(self) -> int:
-        """The most rows this kernel takes; more take the layer's bfloat16 copy. Read at each
-        call (benchmarks/perplexity.py raises the limits)."""
-        return MAX_NATIVE_INT4_ROWS if self.native else MAX_INT4_ROWS
+        """The most rows this kernel takes in this step (`rows_limit`); more take the layer's
+        bfloat16 copy."""
+        return rows_limit(self.native)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """The most rows this kernel takes in any step: for the output layer's candidate picker,
+        whose picks are rescored in float32 (cpu_output_layer.py), so prompt steps keep it."""
+        return kernel_rows_limit(self.native)
 
     @staticmethod
     def concatenate(products: list["Int4Product"]) -> "Int4Product":

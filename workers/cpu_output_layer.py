@@ -80,7 +80,8 @@ class RescoredOutputLayer(torch.nn.Module):
         bias = self.approximate.bias
         if len(self.full_precision_rows) == rows.shape[0]:  # every row exact: skip the bfloat16 pass
             return F.linear(rows, self.exact_weight, bias).view(*hidden.shape[:-1], self.out_features)
-        greedy = self.greedy_step and self.selector is not None and rows.shape[0] <= self.selector.product.max_rows
+        greedy = (self.greedy_step and self.selector is not None
+                  and rows.shape[0] <= self.selector.product.kernel_max_rows)
         if greedy:
             logits = self.selector(rows)
             if bias is not None:

@@ -93,7 +93,9 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if self._kv_caches is not None and native_decode.is_ready():
             self._use_native()
-        if self.native is not None and _one_decode_group(attention):
+        # (A prompt's last token alone is a one-row step too: it takes the Python forward, whose
+        # 4-bit layers take their bfloat16 copy in a prompt step; the stack's take 4 bits.)
+        if self.native is not None and _one_decode_group(attention) and not cpu_int4.in_prompt_step():
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
             x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
@@ -198,7 +200,7 @@ class _ProductGroup:
         self.parts = [_product(linear, description) for linear, description in zip(linears, self.native_parts)]
         kinds = {description[0] for description in self.native_parts if description is not None}
         # Whether the bfloat16 copy of the input is needed at all row counts, or above
-        # MAX_NATIVE_INT4_ROWS only (the native 4-bit kernel takes float32; its batched copy bfloat16).
+        # the native kernel's rows limit only (it takes float32; its batched copy bfloat16).
         self.rounds_always = bool(kinds & {native_decode.INT4_PRODUCT, native_decode.BF16_PRODUCT})
         self.rounds_above = native_decode.NATIVE_INT4_PRODUCT in kinds
         if any(part is None for part in self.native_parts):
@@ -206,7 +208,7 @@ class _ProductGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.shape[0]
-        rounds = self.rounds_always or (self.rounds_above and rows > cpu_int4.MAX_NATIVE_INT4_ROWS)
+        rounds = self.rounds_always or (self.rounds_above and rows > cpu_int4.rows_limit(native=True))
         rounded = x.to(torch.bfloat16) if rounds else None
         if self.fused is not None and rows <= self.fused[0].max_rows:
             product, bias, sizes = self.fused

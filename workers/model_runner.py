@@ -28,7 +28,7 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers import cpu_decode_attention
+from workers import cpu_decode_attention, cpu_int4
 from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
@@ -256,16 +256,17 @@ class ModelRunner:
         attention, positions = self._attention_metadata(batch, states)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
-        if self.lean is not None:
-            return self.lean.forward(input_ids, positions, logits_index, attention)
-        input_ids = input_ids.unsqueeze(0)
-        if self.adapter is None:
-            inputs = {"input_ids": input_ids}
-        else:
-            inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
-        with step_metadata(attention):
-            return self.model(**inputs, position_ids=positions, use_cache=False,
-                              logits_to_keep=logits_index).logits[0]
+        with cpu_int4.prompt_step(batch.computes_prompt):
+            if self.lean is not None:
+                return self.lean.forward(input_ids, positions, logits_index, attention)
+            input_ids = input_ids.unsqueeze(0)
+            if self.adapter is None:
+                inputs = {"input_ids": input_ids}
+            else:
+                inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
+            with step_metadata(attention):
+                return self.model(**inputs, position_ids=positions, use_cache=False,
+                                  logits_to_keep=logits_index).logits[0]
 
     def _plan_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
         """The step on the host: token ids, positions, slots, block table, sampled rows."""
@@ -299,6 +300,7 @@ class ModelRunner:
         # The leading single-token rows (all of them when the rows were put first).
         not_single = np.nonzero(counts != 1)[0]
         num_decodes = int(not_single[0]) if len(not_single) else num_rows
+        prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_rows)
         return PackedBatch(
             input_ids=np.asarray(input_ids, dtype=np.int64),
             positions=positions if rope_positions is None else rope_positions,
@@ -306,6 +308,7 @@ class ModelRunner:
             block_tables=table,
             counts=counts,
             num_decodes=num_decodes,
+            computes_prompt=bool((starts < prompt_lens).any()),
             sample_rows=sample_rows.tolist(),
             logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
             starts=starts,
@@ -442,6 +445,9 @@ class PackedBatch:
     counts: np.ndarray  # [R] tokens scheduled per row
     # The leading rows that hold one token each.
     num_decodes: int
+    # Whether some row computes a prompt token (CPU 4-bit layers then take their bfloat16 copy:
+    # workers/cpu_int4.py, prompt_step).
+    computes_prompt: bool
     sample_rows: list[int]
     logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples
     # Per row: first and end position computed this step, and where its tokens start in the
