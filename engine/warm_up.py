@@ -4,7 +4,7 @@ Without it the first user's request pays the first-call costs of what a step tou
 creates its primitives, the native kernels (where loaded) and torch's ops run for the first
 time, as do the sampler's and the scheduler's paths. Measured on the default model (two CPU
 cores, Realtime socket, a short chat turn, fresh servers): the first turn's first token came
-after 75-95 ms without it, 62-71 ms with it (later turns ~35 ms: their system prompt is
+after 75-95 ms without it, 62-71 ms with it (later turns 54-70 ms: their system prompt is
 cached). vLLM warms up before serving for the same reason, with dummy batches in its workers;
 here real requests go through the scheduler and the sampler too, so that each kind of step a
 user's first request takes has run once: a prefill alone, a prefill beside a decode, two rows

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.request import Request
 from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode
 from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
@@ -552,6 +553,7 @@ def first_token(llm: LLM, prompt: list[int]):
 
 @pytest.mark.parametrize("prompt_length,other_prompt", [
     (40, "shares the first block"),  # the prompt's last 24 tokens in a step of their own
+    (21, "shares the first block"),  # 5 tokens: within torch's kernel's 8 rows too
     (33, "is the same prompt"),  # its last token alone: a one-row step that computes a prompt token
 ])
 def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama, int4_kernel, prompt_length,
@@ -561,6 +563,10 @@ def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama
     (a few rows, which would take a 4-bit kernel) give the same answer and first log-probabilities."""
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Int4Linear)
+    # Where the C++ decode stack serves, a prompt's last token alone must not take it (4 bits).
+    if int4_kernel and native_decode.wait_until_built(timeout=600):
+        llm.generate([[5, 9, 2]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert llm.engine.core.executor.runner.lean.native is not None
     generator = torch.Generator().manual_seed(11)
     prompt = torch.randint(5, 200, (prompt_length,), generator=generator).tolist()
     whole_tokens, whole_logprobs, cached = first_token(llm, prompt)
@@ -572,3 +578,25 @@ def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama
     assert cached == (16 if other_prompt == "shares the first block" else 32)
     assert tokens == whole_tokens
     torch.testing.assert_close(logprobs, whole_logprobs, rtol=0, atol=2e-5)
+
+
+def test_the_runner_marks_the_steps_that_compute_prompt_tokens(tiny_llama, monkeypatch):
+    """A step computes prompt tokens if any of its rows does, a decode row beside a prompt's
+    tail included; steps of generated tokens alone do not."""
+    llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
+    core = llm.engine.core
+    flags = []
+    step = cpu_int4.prompt_step
+
+    def recording(computes_prompt):
+        flags.append(computes_prompt)
+        return step(computes_prompt)
+    monkeypatch.setattr(cpu_int4, "prompt_step", recording)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request(Request("a", list(range(5, 25)), params))
+    core.step()  # a's prompt
+    core.step()  # a decodes alone
+    core.add_request(Request("b", list(range(30, 50)), params))
+    while core.has_unfinished_requests:
+        core.step()  # a decodes beside b's prompt, then both decode, then b alone
+    assert flags == [True, False, True, False, False, False]

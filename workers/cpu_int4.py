@@ -18,7 +18,8 @@ Its arithmetic costs more per row than oneDNN's bfloat16 product, so it wins onl
 the weights dominates. Measured here over all 210 layers of the default model (each read from
 memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x, 12-16 rows
 even, 24 rows slower. So each layer also keeps a bfloat16 copy of the same (dequantized)
-weights, oneDNN-packed, for larger batches and prefill chunks.
+weights, oneDNN-packed, for larger batches and for every step that computes prompt tokens
+(`prompt_step`).
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
@@ -56,16 +57,24 @@ MAX_NATIVE_INT4_ROWS = 32
 # took the copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took
 # the native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
 # question was answered "Paris" if asked first and French gibberish once another conversation had
-# cached the system prompt. So a prompt's tokens are computed one way whatever part of it is
-# cached; steps of generated tokens alone keep the 4-bit kernels. Per thread, as a forward runs
-# in the thread that calls it (workers/paged_attention.py's step metadata likewise).
-_step = threading.local()
+# cached the system prompt. So the tokens a prompt step computes take the copy whatever part
+# of the prompt is cached. (Not every cached token came from one: a follow-up turn's prompt
+# holds the previous answer, whose cached keys and values its decode steps computed in 4 bits,
+# and a fresh cache computes them from the copy.) The flag covers the whole step: a decode row
+# that shares a step with prompt tokens takes the copy too (as it does in a step of more than
+# the kernel's rows), which costs those steps some speed. Per thread, as a forward runs in the
+# thread that calls it (workers/paged_attention.py's step metadata likewise).
+class _Step(threading.local):
+    computes_prompt = False
+
+
+_step = _Step()
 
 
 @contextlib.contextmanager
 def prompt_step(computes_prompt: bool):
     """Within this block, 4-bit layers take their bfloat16 copy if `computes_prompt`."""
-    previous = getattr(_step, "computes_prompt", False)
+    previous = _step.computes_prompt
     _step.computes_prompt = computes_prompt
     try:
         yield
@@ -74,7 +83,7 @@ def prompt_step(computes_prompt: bool):
 
 
 def in_prompt_step() -> bool:
-    return getattr(_step, "computes_prompt", False)
+    return _step.computes_prompt
 
 
 def kernel_rows_limit(native: bool) -> int:
@@ -267,7 +276,8 @@ def int4_if_on_grid(weight: torch.Tensor) -> Int4Weight | None:
 
 
 class Int4Linear(torch.nn.Module):
-    """`nn.Linear` on 4-bit weights for up to `int4.max_rows` rows, on their bfloat16 copy for more.
+    """`nn.Linear` on 4-bit weights for up to `int4.max_rows` rows (none in a prompt step), on
+    their bfloat16 copy for more.
     Takes and returns float32 (the kernel rounds the input: see the module docstring); the
     bias stays float32 (added here, not by the copy)."""
 
@@ -302,4 +312,4 @@ class Int4Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 groups of {GROUP_SIZE}, {'native VNNI' if self.int4.native else 'torch'} kernel "
-                f"(bfloat16 copy above {self.int4.max_rows} rows)")
+                f"(bfloat16 copy above {self.int4.kernel_max_rows} rows and for prompt tokens)")
