@@ -300,7 +300,6 @@ class ModelRunner:
         # The leading single-token rows (all of them when the rows were put first).
         not_single = np.nonzero(counts != 1)[0]
         num_decodes = int(not_single[0]) if len(not_single) else num_rows
-        prompt_lens = np.fromiter((s.num_prompt_tokens for s in states), dtype=np.int64, count=num_rows)
         return PackedBatch(
             input_ids=np.asarray(input_ids, dtype=np.int64),
             positions=positions if rope_positions is None else rope_positions,
@@ -308,7 +307,7 @@ class ModelRunner:
             block_tables=table,
             counts=counts,
             num_decodes=num_decodes,
-            computes_prompt=bool((starts < prompt_lens).any()),
+            computes_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in states),
             sample_rows=sample_rows.tolist(),
             logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
             starts=starts,
