@@ -27,14 +27,25 @@ class CountingStack:
     """Stands in for the C++ stack and counts the steps it computes."""
 
     def __init__(self, stack) -> None:
-        self.stack, self.steps, self.in_place, self.native_attention = stack, 0, 0, 0
+        self.stack, self.steps, self.in_place, self.native_attention, self.split = stack, 0, 0, 0, 0
 
     def forward(self, *args):
         *_, context_start, _, context_lens, _ = args  # ..., block_tables, context_lens, block_size
         self.steps += 1
         self.in_place += context_start >= 0  # a lone row's context read in place
         self.native_attention += context_lens is not None  # cpu_decode_attention.py
+        # Run as one part of its rows per thread (decode_stack.cpp, forward_split).
+        self.split += context_lens is not None and len(self.stack.row_parts(context_lens)) > 2
         return self.stack.forward(*args)
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads whatever this machine has: the stack splits steps by rows between them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +155,7 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
     assert 1 in sizes and max(sizes) > 8 and len(steps) > 20
 
 
-def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_stack, monkeypatch):
+def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_stack, two_threads, monkeypatch):
     """An intermediate size of 200 (inputs not in whole chunks of 16): down_proj stays oneDNN's
     while gate/up take the native float32 product; both forwards and the C++ stack agree bitwise."""
     if not native_decode.float32_product_available():
@@ -158,6 +169,40 @@ def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_st
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
     assert runner.lean.native.steps > 20
+    # oneDNN's product may compute a row differently in another batch: such a stack never
+    # splits a step by rows.
+    assert runner.lean.native.split == 0
+    assert runner.lean.native.stack.row_parts(torch.full((16,), 10)) == [0, 16]
+
+
+def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, native_stack, two_threads):
+    """decode_stack.cpp's forward_split: from 8 rows up to the 4-bit kernel's limit, a step
+    runs as one part of its rows per thread, of at least 4 rows each, balanced by their
+    contexts' lengths (a row's products weigh as much as ~340 positions of its attention)."""
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=256)
+    llm = LLM(str(checkpoint), quantization="int4", num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+
+    def parts(lengths: list[int]) -> list[int]:
+        return stack.row_parts(torch.tensor(lengths, dtype=torch.int64))
+    assert parts([10] * 16) == [0, 8, 16]
+    assert parts([10] * 8) == [0, 4, 8]
+    # Fewer rows: each call split between the threads instead.
+    assert parts([10] * 7) == [0, 7]
+    # Past the 4-bit kernel's 32 rows the products take oneDNN (the bfloat16 copy).
+    assert parts([10] * 32) == [0, 16, 32] and parts([10] * 33) == [0, 33]
+    # Four rows of 2000 positions outweigh twelve of 10: they get a part of their own.
+    assert parts([10] * 12 + [2000] * 4) == [0, 12, 16]
+    # One very long row: its part keeps the fewest rows allowed.
+    assert parts([5000] + [10] * 15) == [0, 4, 16]
+    torch.set_num_threads(3)
+    assert parts([10] * 16) == [0, 5, 11, 16]
+    torch.set_num_threads(1)
+    assert parts([10] * 16) == [0, 16]
 
 
 # hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
@@ -165,7 +210,8 @@ def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_st
 # Llama with every bias on: o_proj and down_proj biases too.
 @pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-biased"])
-def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, monkeypatch):
+def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, two_threads,
+                                                            monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
     biases = dict(attention_bias=True, mlp_bias=True, random_biases=True) if arch == "llama-biased" else {}
     checkpoint = save_tiny_checkpoint(arch.split("-")[0], tmp_path / arch, hidden_size=128, num_attention_heads=2,
@@ -194,6 +240,9 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert runner.native_attention == native_attention
     if native_attention:
         assert runner.lean.native.native_attention == runner.lean.native.steps > 20
+        # Steps of 8 rows and more (up to the 4-bit kernel's 10 here) ran split by rows between
+        # the two threads, each part on its own: the same logits.
+        assert runner.lean.native.split > 0
     else:
         assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
         assert runner.lean.native.native_attention == 0

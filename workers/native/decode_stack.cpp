@@ -24,6 +24,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -69,6 +70,22 @@ void round_to_bfloat16(const float* source, c10::BFloat16* target, int64_t width
 
 // Steps of at least this many rows split their norms between the threads (norm, below).
 constexpr int64_t kRowsToSplit = 4;
+
+// Steps split by rows between the threads (DecodeStack::forward_split) give each at least
+// this many: below it a step reads more than it computes, and two threads reading all the
+// weights each would cost more than waiting for each other. (Measured on the default model:
+// at 8 rows split call by call and by rows took about as long.)
+constexpr int64_t kMinRowsPerPart = 4;
+
+// What a row's products cost, in positions of its decode attention: measured on the default
+// model (4-bit, two threads), ~0.85 ms of products per row and ~2.5 us per position over its
+// 30 layers. Only balances the parts (part_bounds); a wrong value costs time, never results.
+constexpr double kPositionsPerRowOfProducts = 340.0;
+
+// ATen's elementwise loops run in blocks of two vectors (32 float32s with AVX-512) and a scalar
+// tail, whose exp (silu's) can round apart from the vectorized one. Where every piece a loop is
+// given is whole blocks, nothing takes the tail (silu_rounds_alike).
+constexpr int64_t kElementwiseBlock = 32;
 
 struct Product {
   int64_t kind;
@@ -188,19 +205,38 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The row bounds of the parts a decode step with these context lengths runs in (forward_split),
+  // or [0, rows] where it runs all its rows together. For the tests.
+  std::vector<int64_t> row_parts(const at::Tensor& context_lens) const {
+    TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong, "context_lens must be [rows] int64");
+    const int64_t rows = context_lens.size(0);
+    return splits_rows(rows) ? part_bounds(context_lens) : std::vector<int64_t>{0, rows};
+  }
+
   // Checked once after the last layer, not per step.
   void finish() {
+    rows_independent_ = !layers_.empty();
+    max_split_rows_ = kFloat32RowsForOneDNN - 1;
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
           group.rounds_always = group.rounds_always || p.kind == kInt4 || p.kind == kPackedBf16;
           group.rounds_above = group.rounds_above || p.kind == kNativeInt4;
+          // Only the native kernels compute a row the same in any batch (oneDNN's blocking and
+          // torch's 4-bit kernel may vary with the rows), each up to its own limit.
+          rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat);
+          if (p.kind == kNativeInt4) max_split_rows_ = std::min(max_split_rows_, max_native_int4_rows_);
         }
       }
       TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
       TORCH_CHECK(layer.groups[0].parts.size() == 3 && layer.groups[1].parts.size() == 1 &&
                       layer.groups[2].parts.size() == 2 && layer.groups[3].parts.size() == 1,
                   "product groups are q/k/v, o, gate/up, down");
+      // The MLP's inner width (silu's): the down product's inputs, 32 per 4-bit group or 16 per
+      // float32 chunk (the native layouts).
+      const Product& down = layer.groups[3].parts.front();
+      const int64_t width = down.weight.size(1) * (down.kind == kNativeInt4 ? 32 : 16);
+      if (std::find(mlp_widths_.begin(), mlp_widths_.end(), width) == mlp_widths_.end()) mlp_widths_.push_back(width);
     }
     finished_ = true;
   }
@@ -229,12 +265,27 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(native_attention || context_start < 0 || context_slots->size(0) == 1,
                 "an in-place context is one row's");
     const int64_t tokens = x.size(0);
+    if (native_attention && splits_rows(tokens)) {
+      return forward_split(x, cos, sin, slot_mapping, *block_tables, *context_lens, block_size);
+    }
+    return run_layers(x, cos, sin, slot_mapping, context_slots, context_mask, context_start, block_tables,
+                      context_lens, block_size, tokens);
+  }
+
+ private:
+  // The layers over x's rows; products choose their kernel by batch_rows, the whole step's rows
+  // (forward_split runs a part of them).
+  at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                        const c10::optional<at::Tensor>& context_slots, const c10::optional<at::Tensor>& context_mask,
+                        int64_t context_start, const c10::optional<at::Tensor>& block_tables,
+                        const c10::optional<at::Tensor>& context_lens, int64_t block_size, int64_t batch_rows) const {
+    const bool native_attention = context_lens.has_value();
+    const int64_t tokens = x.size(0);
     const int64_t length = native_attention ? 0 : context_slots->size(1);
     const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
-      const int64_t hidden = x.size(1);
       at::Tensor h = norm(x, layer.input_norm, layer.input_eps, layer.native_norm);
-      std::vector<at::Tensor> qkv = products(layer.groups[0], h);
+      std::vector<at::Tensor> qkv = products(layer.groups[0], h, batch_rows);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
@@ -253,15 +304,103 @@ class DecodeStack : public torch::CustomClassHolder {
                                                     layer.scaling, true)
                        .select(2, 0);
       }
-      x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
+      x = x + products(layer.groups[1], attended.reshape({tokens, -1}), batch_rows)[0];
       h = norm(x, layer.post_attention_norm, layer.post_attention_eps, layer.native_norm);
-      std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
-      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
+      std::vector<at::Tensor> gate_up = products(layer.groups[2], h, batch_rows);
+      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1], batch_rows)[0];
     }
     return x;
   }
 
- private:
+  // Whether a step of `tokens` decode rows runs as one part of its rows per thread
+  // (forward_split) rather than all rows together with each call split between the threads.
+  bool splits_rows(int64_t tokens) const {
+    return rows_independent_ && tokens >= kMinRowsPerPart * 2 && tokens <= max_split_rows_ &&
+           at::get_num_threads() >= 2 && !at::in_parallel_region() && silu_rounds_alike(tokens);
+  }
+
+  // Whether silu over the step's [tokens, width] gates rounds the same computed per part (one
+  // serial call each) as one call over all rows, for every MLP width. That call (ATen's
+  // TensorIterator) runs serially up to GRAIN_SIZE elements, else in one chunk of
+  // ceil(elements / threads) per thread, each chunk (and each row, for the fused product's
+  // strided gates) a loop of whole blocks and a tail. Where widths and chunks are whole
+  // blocks, no element takes the tail either way. (Not so on three threads over 16 x 4864:
+  // the chunks end mid-block.)
+  bool silu_rounds_alike(int64_t tokens) const {
+    const int64_t threads = at::get_num_threads();
+    for (const int64_t width : mlp_widths_) {
+      if (width % kElementwiseBlock != 0) return false;
+      const int64_t elements = tokens * width;
+      if (elements <= at::internal::GRAIN_SIZE) continue;
+      const int64_t chunks = std::min(threads, (elements + at::internal::GRAIN_SIZE - 1) / at::internal::GRAIN_SIZE);
+      if ((elements + chunks - 1) / chunks % kElementwiseBlock != 0) return false;
+    }
+    return true;
+  }
+
+  // A step's rows in parts, one per thread, each part running the whole stack on its own rows
+  // with every call inside it serial (ATen's parallel_for runs inline within a parallel region).
+  // Why: split call by call, the threads meet ~8 times a layer, and whatever runs between the
+  // products (input quantization, norms, rotary, silu, cache writes, allocations) runs on one
+  // thread while the other waits: a third of a 16-row step of the default model. Each thread
+  // reads all the weights instead of half, which a step of this many rows, arithmetic-bound,
+  // can afford. Bitwise the same as one part: every call it makes computes each row from that
+  // row alone (splits_rows holds only where they do: the native products below their kernels'
+  // row limits, judged by the whole step's rows; the native attention; norms and rotary per
+  // row; silu where it rounds alike, silu_rounds_alike).
+  at::Tensor forward_split(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, int64_t block_size) const {
+    const int64_t tokens = x.size(0);
+    const std::vector<int64_t> bounds = part_bounds(context_lens);
+    const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+    at::Tensor out = at::empty_like(x);
+    // The calling thread's state (inference mode among it) for the ATen calls on the others.
+    const at::ThreadLocalState state;
+    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+      const at::ThreadLocalStateGuard guard(state);
+      for (int64_t part = first; part < last; ++part) {
+        const int64_t begin = bounds[part], end = bounds[part + 1];
+        if (begin == end) continue;
+        // Contiguous once here, not in each layer's calls.
+        at::Tensor rows = run_layers(x.slice(0, begin, end), cos.slice(2, begin, end).contiguous(),
+                                     sin.slice(2, begin, end).contiguous(),
+                                     slot_mapping.slice(0, begin, end).contiguous(), c10::nullopt, c10::nullopt, -1,
+                                     block_tables.slice(0, begin, end).contiguous(),
+                                     context_lens.slice(0, begin, end).contiguous(), block_size, tokens);
+        out.slice(0, begin, end).copy_(rows);
+      }
+    });
+    return out;
+  }
+
+  // Row bounds of one part per thread (at most, and kMinRowsPerPart rows each at least), of
+  // about equal work: each row costs its products (the same for every row) plus attention over
+  // its context, so one long context among short ones does not leave one thread waiting.
+  std::vector<int64_t> part_bounds(const at::Tensor& context_lens) const {
+    const at::Tensor lens = context_lens.contiguous();
+    const int64_t* len = lens.data_ptr<int64_t>();
+    const int64_t rows = lens.size(0);
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / kMinRowsPerPart));
+    std::vector<double> cumulative(rows + 1, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      // (A length outside the block table fails in the attention; here it only must not
+      // unsort the sums.)
+      cumulative[r + 1] = cumulative[r] + kPositionsPerRowOfProducts + static_cast<double>(std::max<int64_t>(len[r], 0));
+    }
+    std::vector<int64_t> bounds{0};
+    for (int64_t p = 1; p < parts; ++p) {
+      const double target = cumulative[rows] * static_cast<double>(p) / static_cast<double>(parts);
+      int64_t row = std::lower_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin();
+      // The nearer of the two bounds around the target, at least kMinRowsPerPart rows a part.
+      if (row > 0 && target - cumulative[row - 1] < cumulative[row] - target) --row;
+      row = std::max(row, bounds.back() + kMinRowsPerPart);
+      row = std::min(row, rows - kMinRowsPerPart * (parts - p));
+      bounds.push_back(std::max(row, bounds.back()));
+    }
+    bounds.push_back(rows);
+    return bounds;
+  }
   static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(kind >= kInt4 && kind <= kNativeFloat, "unknown product kind ", kind);
@@ -339,8 +478,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // A group's products on one input; those taking bfloat16 share one rounded copy.
-  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
-    const int64_t rows = x.size(0);
+  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x, int64_t rows) const {
     const at::Tensor rounded = group.rounds_always || (group.rounds_above && rows > max_native_int4_rows_)
                                    ? x.to(at::kBFloat16)
                                    : at::Tensor();
@@ -375,6 +513,11 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   bool finished_ = false;
+  // Whether every call of a step computes each row from that row alone, and up to how many
+  // rows (finish): where forward_split may split steps by rows.
+  bool rows_independent_ = false;
+  int64_t max_split_rows_ = 0;
+  std::vector<int64_t> mlp_widths_;  // the layers' MLP inner widths (silu's), each once
 
   int64_t head_dim_, max_int4_rows_, max_native_int4_rows_, group_size_;
   std::vector<Layer> layers_;
@@ -389,6 +532,7 @@ TORCH_LIBRARY(antiphon_cpu, m) {
       .def("fuse_group", &DecodeStack::fuse_group)
       .def("finish", &DecodeStack::finish)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("row_parts", &DecodeStack::row_parts)
       .def("forward", &DecodeStack::forward);
   m.def("write_kv_rows(Tensor(a!) cache, Tensor slots, Tensor rows) -> ()", &write_kv_rows);
 }

@@ -41,7 +41,7 @@ constexpr int64_t kOutputs = 8;  // outputs per tile
 constexpr int64_t kLanes = 16;   // inputs per chunk: one 512-bit register of floats
 // Measured over the default model's layers (benchmarks/float32_products.py): at 128 rows this
 // kernel and oneDNN on a copy are even, at 512 oneDNN is 1.28x faster.
-constexpr int64_t kRowsForOneDNN = 256;
+constexpr int64_t kRowsForOneDNN = kFloat32RowsForOneDNN;
 }  // namespace
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

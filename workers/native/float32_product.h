@@ -6,6 +6,10 @@
 // Whether this CPU (AVX-512F) runs it.
 bool float32_product_supported();
 
+// Products of this many rows or more take oneDNN's blocking; below it each row's result is the
+// same whatever its batch.
+constexpr int64_t kFloat32RowsForOneDNN = 256;
+
 // x [rows, inputs] float32, weight in the tiled layout of float32_product.cpp -> [rows, outputs].
 at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight);
 
