@@ -177,7 +177,7 @@ def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_st
 
 def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, native_stack, two_threads):
     """decode_stack.cpp's forward_split: from 8 rows up to the 4-bit kernel's limit, a step
-    runs as one part of its rows per thread, of at least 4 rows each, balanced by their
+    runs as one part of its rows per thread, of at least 4 rows each (4-bit weights), balanced by their
     contexts' lengths (a row's products weigh as much as ~340 positions of its attention)."""
     if not native_decode.int4_product_available():
         pytest.skip("the native 4-bit product needs AVX-512 VNNI")
@@ -203,6 +203,26 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     assert parts([10] * 16) == [0, 5, 11, 16]
     torch.set_num_threads(1)
     assert parts([10] * 16) == [0, 16]
+
+
+def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, two_threads, monkeypatch):
+    """Exact mode's float32 weights are 8 times the 4-bit bytes: two threads each reading all of
+    them pays from 8 rows a part. Its split steps give the model's own logits."""
+    if not native_decode.float32_product_available():
+        pytest.skip("the native float32 product needs AVX-512F")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=256)
+    llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    assert stack.row_parts(torch.full((15,), 10)) == [0, 15]
+    assert stack.row_parts(torch.full((16,), 10)) == [0, 8, 16]
+    # No 32-row limit: the float32 product computes a row alike up to 255 rows.
+    assert stack.row_parts(torch.full((64,), 10)) == [0, 32, 64]
+    steps = run_both_forwards(monkeypatch, llm, native=True)
+    llm.generate([[5 + i, 6, 7] for i in range(20)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [rows for rows, equal in steps if not equal] == []
+    assert runner.lean.native.split >= 5 and 20 in {rows for rows, _ in steps}
 
 
 # hidden 128, head_dim 64, outputs in multiples of 64: the 4-bit q/k/v and gate/up products
@@ -240,9 +260,10 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert runner.native_attention == native_attention
     if native_attention:
         assert runner.lean.native.native_attention == runner.lean.native.steps > 20
-        # Steps of 8 rows and more (up to the 4-bit kernel's 10 here) ran split by rows between
-        # the two threads, each part on its own: the same logits.
-        assert runner.lean.native.split > 0
+        # 4-bit steps of 8 rows and more (up to the kernel's 10 here) ran split by rows between
+        # the two threads, each part on its own: the same logits. (Exact mode's from 16 rows:
+        # test_exact_mode_splits_steps_by_rows_from_16_rows.)
+        assert (runner.lean.native.split > 0) == (mode == "int4")
     else:
         assert runner.lean.native.steps > 20 and runner.lean.native.in_place > 0
         assert runner.lean.native.native_attention == 0

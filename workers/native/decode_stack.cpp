@@ -73,9 +73,12 @@ constexpr int64_t kRowsToSplit = 4;
 
 // Steps split by rows between the threads (DecodeStack::forward_split) give each at least
 // this many: below it a step reads more than it computes, and two threads reading all the
-// weights each would cost more than waiting for each other. (Measured on the default model:
-// at 8 rows split call by call and by rows took about as long.)
-constexpr int64_t kMinRowsPerPart = 4;
+// weights each cost more than waiting for each other. Measured on the default model, two
+// threads: 4-bit, 16 streams 1.3x split by rows, 8 streams 1.04-1.16x, 4 streams 0.75-0.8x;
+// float32 (exact mode, 8 times the bytes per weight, a quarter of the multiply-adds per
+// instruction), 16 streams 1.09x, 8 streams 0.83x.
+constexpr int64_t kMinRowsPerPartInt4 = 4;
+constexpr int64_t kMinRowsPerPartFloat32 = 8;
 
 // What a row's products cost, in positions of its decode attention: measured on the default
 // model (4-bit, two threads), ~0.85 ms of products per row and ~2.5 us per position over its
@@ -217,6 +220,7 @@ class DecodeStack : public torch::CustomClassHolder {
   void finish() {
     rows_independent_ = !layers_.empty();
     max_split_rows_ = kFloat32RowsForOneDNN - 1;
+    min_rows_per_part_ = kMinRowsPerPartInt4;
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
@@ -226,6 +230,7 @@ class DecodeStack : public torch::CustomClassHolder {
           // torch's 4-bit kernel may vary with the rows), each up to its own limit.
           rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat);
           if (p.kind == kNativeInt4) max_split_rows_ = std::min(max_split_rows_, max_native_int4_rows_);
+          if (p.kind == kNativeFloat) min_rows_per_part_ = kMinRowsPerPartFloat32;
         }
       }
       TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
@@ -315,7 +320,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // Whether a step of `tokens` decode rows runs as one part of its rows per thread
   // (forward_split) rather than all rows together with each call split between the threads.
   bool splits_rows(int64_t tokens) const {
-    return rows_independent_ && tokens >= kMinRowsPerPart * 2 && tokens <= max_split_rows_ &&
+    return rows_independent_ && tokens >= min_rows_per_part_ * 2 && tokens <= max_split_rows_ &&
            at::get_num_threads() >= 2 && !at::in_parallel_region() && silu_rounds_alike(tokens);
   }
 
@@ -374,14 +379,14 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // Row bounds of one part per thread (at most, and kMinRowsPerPart rows each at least), of
+  // Row bounds of one part per thread (at most, and min_rows_per_part_ rows each at least), of
   // about equal work: each row costs its products (the same for every row) plus attention over
   // its context, so one long context among short ones does not leave one thread waiting.
   std::vector<int64_t> part_bounds(const at::Tensor& context_lens) const {
     const at::Tensor lens = context_lens.contiguous();
     const int64_t* len = lens.data_ptr<int64_t>();
     const int64_t rows = lens.size(0);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / kMinRowsPerPart));
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / min_rows_per_part_));
     std::vector<double> cumulative(rows + 1, 0.0);
     for (int64_t r = 0; r < rows; ++r) {
       // (A length outside the block table fails in the attention; here it only must not
@@ -392,10 +397,10 @@ class DecodeStack : public torch::CustomClassHolder {
     for (int64_t p = 1; p < parts; ++p) {
       const double target = cumulative[rows] * static_cast<double>(p) / static_cast<double>(parts);
       int64_t row = std::lower_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin();
-      // The nearer of the two bounds around the target, at least kMinRowsPerPart rows a part.
+      // The nearer of the two bounds around the target, at least min_rows_per_part_ rows a part.
       if (row > 0 && target - cumulative[row - 1] < cumulative[row] - target) --row;
-      row = std::max(row, bounds.back() + kMinRowsPerPart);
-      row = std::min(row, rows - kMinRowsPerPart * (parts - p));
+      row = std::max(row, bounds.back() + min_rows_per_part_);
+      row = std::min(row, rows - min_rows_per_part_ * (parts - p));
       bounds.push_back(std::max(row, bounds.back()));
     }
     bounds.push_back(rows);
@@ -517,6 +522,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // rows (finish): where forward_split may split steps by rows.
   bool rows_independent_ = false;
   int64_t max_split_rows_ = 0;
+  int64_t min_rows_per_part_ = kMinRowsPerPartInt4;  // the kinds' largest kMinRowsPerPart*
   std::vector<int64_t> mlp_widths_;  // the layers' MLP inner widths (silu's), each once
 
   int64_t head_dim_, max_int4_rows_, max_native_int4_rows_, group_size_;
