@@ -35,8 +35,10 @@ class CountingStack:
         self.in_place += context_start >= 0  # a lone row's context read in place
         self.native_attention += context_lens is not None  # cpu_decode_attention.py
         # Run as one part of its rows per thread (decode_stack.cpp, forward_split).
-        self.split += context_lens is not None and len(self.stack.row_parts(context_lens)) > 2
-        return self.stack.forward(*args)
+        split_before = self.stack.split_steps()
+        out = self.stack.forward(*args)
+        self.split += self.stack.split_steps() - split_before
+        return out
 
 
 @pytest.fixture
@@ -195,14 +197,34 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     assert parts([10] * 7) == [0, 7]
     # Past the 4-bit kernel's 32 rows the products take oneDNN (the bfloat16 copy).
     assert parts([10] * 32) == [0, 16, 32] and parts([10] * 33) == [0, 33]
-    # Four rows of 2000 positions outweigh twelve of 10: they get a part of their own.
+    # Four rows of 2000 positions outweigh twelve of 10: the balanced bound (13) would leave
+    # the second part three rows; it keeps the four it must have.
     assert parts([10] * 12 + [2000] * 4) == [0, 12, 16]
+    # Eight rows of 1000 positions, then eight of 10: five long rows weigh about as much as
+    # three long and eight short ones.
+    assert parts([1000] * 8 + [10] * 8) == [0, 5, 16]
     # One very long row: its part keeps the fewest rows allowed.
     assert parts([5000] + [10] * 15) == [0, 4, 16]
+    # Only on the two threads measured: on more, each part's calls would leave threads idle.
     torch.set_num_threads(3)
-    assert parts([10] * 16) == [0, 5, 11, 16]
+    assert parts([10] * 16) == [0, 16]
     torch.set_num_threads(1)
     assert parts([10] * 16) == [0, 16]
+
+
+def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path, native_stack, two_threads):
+    """silu over more than ATen's grain (32768 elements) runs in one chunk per thread, each a
+    loop of 32-element blocks and a scalar tail whose exp rounds apart; split by rows, each part
+    makes one serial call. With an MLP of 4896: 8 rows (39168 elements, chunks of 19584) and 10
+    (24480) are whole blocks either way; 9 rows' chunks (22032) end mid-block: not split."""
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=4896)
+    llm = LLM(str(checkpoint), quantization="int4", num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    assert [len(stack.row_parts(torch.full((rows,), 10))) - 1 for rows in (8, 9, 10)] == [2, 1, 2]
 
 
 def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, two_threads, monkeypatch):
@@ -271,7 +293,7 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch"])
 def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwise(tmp_path, mode, native_stack,
-                                                                                monkeypatch):
+                                                                                two_threads, monkeypatch):
     """--kv-cache-dtype bfloat16: the C++ stack rounds its cache writes as the Python forwards'
     .to() does, and both read the cache alike, through the native decode attention (native
     layers) or SDPA over widened contexts (the others)."""
@@ -288,35 +310,41 @@ def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwis
     assert runner.lean.native.steps > 20
     if runner.native_attention:
         assert runner.lean.native.native_attention == runner.lean.native.steps
+        # 4-bit steps of 8-10 rows split by rows, over the bfloat16 cache too.
+        assert (runner.lean.native.split > 0) == (mode == "int4")
     else:
         assert runner.lean.native.in_place > 0
 
 
+@pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("native_norm", [False, True])
-def test_native_steps_stay_bitwise_on_three_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm, monkeypatch):
+def test_native_steps_stay_bitwise_on_two_and_three_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm,
+                                                                           threads, monkeypatch):
     """The stack splits a batch's ATen norms between the threads by rows (the native norm, by
-    rows of its own); ATen splits a large elementwise call (here silu over 16 x 4864 on 3
-    threads) by elements. All must leave the logits the model's own (a silu split by rows did
-    not: its exp rounds block tails apart)."""
+    rows of its own); ATen splits a large elementwise call (here silu over 16 x 4864) by
+    elements. All must leave the logits the model's own (a silu split by rows did not, on 3
+    threads: its exp rounds block tails apart). On two threads the 16-row steps run split by
+    rows (forward_split), ATen's norm and a silu above ATen's grain included."""
     if native_norm and not (native_decode.rms_norm_available() and native_decode.float32_product_available()):
         pytest.skip("the native RMSNorm needs AVX-512F")
     if not native_norm:
         monkeypatch.setattr(native_decode, "rms_norm_available", lambda: False)
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=4864)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         # Exact mode: its native products take the native norm where it runs.
         llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=256, max_num_batched_tokens=24)
         steps = run_both_forwards(monkeypatch, llm, native=True)
         llm.generate([[5 + i, 6, 7] for i in range(16)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
     assert [rows for rows, equal in steps if not equal] == []
     runner = llm.engine.core.executor.runner
     assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_norm}
     assert runner.lean.native.steps >= 5 and 16 in {rows for rows, _ in steps}
+    assert (runner.lean.native.split > 0) == (threads == 2)
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):

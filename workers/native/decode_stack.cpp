@@ -10,6 +10,10 @@
 // argument parsing and dispatch from the interpreter, and on a CPU that is most of a one-row
 // step of a small model.
 //
+// On two threads, a step of enough rows whose calls all compute each row from that row alone
+// runs as one part of its rows per thread, each part through every layer on its own
+// (DecodeStack::forward_split): the same logits, without the threads meeting around each call.
+//
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths; any lengths where the native decode attention serves, which the Python
 // forwards then call too: cpu_decode_attention.py), the layers' products being 4-bit
@@ -24,7 +28,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -71,7 +78,12 @@ void round_to_bfloat16(const float* source, c10::BFloat16* target, int64_t width
 // Steps of at least this many rows split their norms between the threads (norm, below).
 constexpr int64_t kRowsToSplit = 4;
 
-// Steps split by rows between the threads (DecodeStack::forward_split) give each at least
+// Steps are split by rows (DecodeStack::forward_split) on this many threads only, the count
+// measured: on more, each part's calls would leave the other threads idle, and every thread
+// reading all the weights would multiply the step's memory traffic by the thread count.
+constexpr int64_t kThreadsToSplitRows = 2;
+
+// Steps split by rows between the threads give each at least
 // this many: below it a step reads more than it computes, and two threads reading all the
 // weights each cost more than waiting for each other. Measured on the default model, two
 // threads: 4-bit, 16 streams 1.3x split by rows, 8 streams 1.04-1.16x, 4 streams 0.75-0.8x;
@@ -89,6 +101,17 @@ constexpr double kPositionsPerRowOfProducts = 340.0;
 // tail, whose exp (silu's) can round apart from the vectorized one. Where every piece a loop is
 // given is whole blocks, nothing takes the tail (silu_rounds_alike).
 constexpr int64_t kElementwiseBlock = 32;
+
+// at::parallel_for over [0, end) whose chunks run with the calling thread's state (inference
+// mode among it) on every thread.
+template <typename F>
+void parallel_with_state(int64_t end, int64_t grain, const F& chunk) {
+  const at::ThreadLocalState state;
+  at::parallel_for(0, end, grain, [&](int64_t first, int64_t last) {
+    const at::ThreadLocalStateGuard guard(state);
+    chunk(first, last);
+  });
+}
 
 struct Product {
   int64_t kind;
@@ -208,19 +231,13 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The row bounds of the parts a decode step with these context lengths runs in (forward_split),
-  // or [0, rows] where it runs all its rows together. For the tests.
-  std::vector<int64_t> row_parts(const at::Tensor& context_lens) const {
-    TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong, "context_lens must be [rows] int64");
-    const int64_t rows = context_lens.size(0);
-    return splits_rows(rows) ? part_bounds(context_lens) : std::vector<int64_t>{0, rows};
-  }
 
   // Checked once after the last layer, not per step.
   void finish() {
     rows_independent_ = !layers_.empty();
     max_split_rows_ = kFloat32RowsForOneDNN - 1;
     min_rows_per_part_ = kMinRowsPerPartInt4;
+    mlp_widths_.clear();
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
@@ -237,11 +254,15 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(layer.groups[0].parts.size() == 3 && layer.groups[1].parts.size() == 1 &&
                       layer.groups[2].parts.size() == 2 && layer.groups[3].parts.size() == 1,
                   "product groups are q/k/v, o, gate/up, down");
-      // The MLP's inner width (silu's): the down product's inputs, 32 per 4-bit group or 16 per
-      // float32 chunk (the native layouts).
+      // The MLP's inner width (silu's), where the stack may split rows: the down product's
+      // inputs, 32 per 4-bit group or 16 per float32 chunk (the native layouts).
       const Product& down = layer.groups[3].parts.front();
-      const int64_t width = down.weight.size(1) * (down.kind == kNativeInt4 ? 32 : 16);
-      if (std::find(mlp_widths_.begin(), mlp_widths_.end(), width) == mlp_widths_.end()) mlp_widths_.push_back(width);
+      if (rows_independent_) {
+        const int64_t width = down.weight.size(1) * (down.kind == kNativeInt4 ? 32 : 16);
+        if (std::find(mlp_widths_.begin(), mlp_widths_.end(), width) == mlp_widths_.end()) {
+          mlp_widths_.push_back(width);
+        }
+      }
     }
     finished_ = true;
   }
@@ -270,27 +291,44 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(native_attention || context_start < 0 || context_slots->size(0) == 1,
                 "an in-place context is one row's");
     const int64_t tokens = x.size(0);
-    if (native_attention && splits_rows(tokens)) {
-      return forward_split(x, cos, sin, slot_mapping, *block_tables, *context_lens, block_size);
+    TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens, "slot_mapping must be [tokens]");
+    TORCH_CHECK(!native_attention || (block_tables->dim() == 2 && block_tables->size(0) == tokens &&
+                                      context_lens->dim() == 1 && context_lens->size(0) == tokens),
+                "block_tables must be [tokens, blocks] and context_lens [tokens]");
+    if (native_attention) {
+      const std::vector<int64_t> bounds = row_parts(*context_lens);
+      if (bounds.size() > 2) return forward_split(x, cos, sin, slot_mapping, *block_tables, *context_lens, block_size,
+                                                  bounds);
     }
     return run_layers(x, cos, sin, slot_mapping, context_slots, context_mask, context_start, block_tables,
-                      context_lens, block_size, tokens);
+                      context_lens, block_size);
   }
 
+  // The row bounds of the parts a decode step with these context lengths runs in, one per
+  // thread (forward_split), or [0, rows] where it runs all its rows together.
+  std::vector<int64_t> row_parts(const at::Tensor& context_lens) const {
+    TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong,
+                "context_lens must be [rows] int64");
+    const int64_t rows = context_lens.size(0);
+    return splits_rows(rows) ? part_bounds(context_lens) : std::vector<int64_t>{0, rows};
+  }
+
+  // How many steps ran split by rows (forward_split), for the tests.
+  int64_t split_steps() const { return split_steps_.load(); }
+
  private:
-  // The layers over x's rows; products choose their kernel by batch_rows, the whole step's rows
-  // (forward_split runs a part of them).
+  // The layers over x's rows: a whole step's, or a part's (forward_split).
   at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                         const c10::optional<at::Tensor>& context_slots, const c10::optional<at::Tensor>& context_mask,
                         int64_t context_start, const c10::optional<at::Tensor>& block_tables,
-                        const c10::optional<at::Tensor>& context_lens, int64_t block_size, int64_t batch_rows) const {
+                        const c10::optional<at::Tensor>& context_lens, int64_t block_size) const {
     const bool native_attention = context_lens.has_value();
     const int64_t tokens = x.size(0);
     const int64_t length = native_attention ? 0 : context_slots->size(1);
     const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
       at::Tensor h = norm(x, layer.input_norm, layer.input_eps, layer.native_norm);
-      std::vector<at::Tensor> qkv = products(layer.groups[0], h, batch_rows);
+      std::vector<at::Tensor> qkv = products(layer.groups[0], h);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
@@ -309,28 +347,31 @@ class DecodeStack : public torch::CustomClassHolder {
                                                     layer.scaling, true)
                        .select(2, 0);
       }
-      x = x + products(layer.groups[1], attended.reshape({tokens, -1}), batch_rows)[0];
+      x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
       h = norm(x, layer.post_attention_norm, layer.post_attention_eps, layer.native_norm);
-      std::vector<at::Tensor> gate_up = products(layer.groups[2], h, batch_rows);
-      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1], batch_rows)[0];
+      std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
+      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
     }
     return x;
   }
 
   // Whether a step of `tokens` decode rows runs as one part of its rows per thread
   // (forward_split) rather than all rows together with each call split between the threads.
+  // (OpenMP's dynamic adjustment could give the parts, and ATen's calls, fewer threads than
+  // get_num_threads() says, which silu_rounds_alike and the parts' serial calls assume.)
   bool splits_rows(int64_t tokens) const {
-    return rows_independent_ && tokens >= min_rows_per_part_ * 2 && tokens <= max_split_rows_ &&
-           at::get_num_threads() >= 2 && !at::in_parallel_region() && silu_rounds_alike(tokens);
+    return rows_independent_ && tokens >= min_rows_per_part_ * kThreadsToSplitRows && tokens <= max_split_rows_ &&
+           at::get_num_threads() == kThreadsToSplitRows && !at::in_parallel_region() && !omp_get_dynamic() &&
+           silu_rounds_alike(tokens);
   }
 
   // Whether silu over the step's [tokens, width] gates rounds the same computed per part (one
   // serial call each) as one call over all rows, for every MLP width. That call (ATen's
-  // TensorIterator) runs serially up to GRAIN_SIZE elements, else in one chunk of
-  // ceil(elements / threads) per thread, each chunk (and each row, for the fused product's
-  // strided gates) a loop of whole blocks and a tail. Where widths and chunks are whole
-  // blocks, no element takes the tail either way. (Not so on three threads over 16 x 4864:
-  // the chunks end mid-block.)
+  // TensorIterator) runs serially up to GRAIN_SIZE elements, else in chunks of
+  // ceil(elements / chunks) elements, chunks = min(threads, ceil(elements / GRAIN_SIZE)), each
+  // chunk (and each row, for the fused product's strided gates) a loop of whole blocks and a
+  // tail. Where widths and chunks are whole blocks, no element takes the tail either way. (Not
+  // so for 9 rows of 4896 on two threads: chunks of 22032 elements end mid-block.)
   bool silu_rounds_alike(int64_t tokens) const {
     const int64_t threads = at::get_num_threads();
     for (const int64_t width : mlp_widths_) {
@@ -343,39 +384,44 @@ class DecodeStack : public torch::CustomClassHolder {
     return true;
   }
 
-  // A step's rows in parts, one per thread, each part running the whole stack on its own rows
-  // with every call inside it serial (ATen's parallel_for runs inline within a parallel region).
+  // A step's rows in parts (bounds), one per thread, each part running the whole stack on its
+  // own rows with every call inside it serial (ATen's parallel_for runs inline within a
+  // parallel region).
   // Why: split call by call, the threads meet ~8 times a layer, and whatever runs between the
   // products (input quantization, norms, rotary, silu, cache writes, allocations) runs on one
   // thread while the other waits: a third of a 16-row step of the default model. Each thread
   // reads all the weights instead of half, which a step of this many rows, arithmetic-bound,
   // can afford. Bitwise the same as one part: every call it makes computes each row from that
   // row alone (splits_rows holds only where they do: the native products below their kernels'
-  // row limits, judged by the whole step's rows; the native attention; norms and rotary per
-  // row; silu where it rounds alike, silu_rounds_alike).
+  // row limits, so a part's products take the kernel the whole step's would; the native
+  // attention; norms and rotary per row; silu where it rounds alike, silu_rounds_alike).
   at::Tensor forward_split(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, int64_t block_size) const {
-    const int64_t tokens = x.size(0);
-    const std::vector<int64_t> bounds = part_bounds(context_lens);
-    const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+                           const at::Tensor& context_lens, int64_t block_size,
+                           const std::vector<int64_t>& bounds) const {
+    // The lengths checked for the whole step before any part runs: a bad one fails the step
+    // before either part writes the cache (the attention checks them too, per part).
+    const int64_t longest = block_tables.size(1) * block_size;
+    const at::Tensor lens = context_lens.contiguous();
+    for (int64_t r = 0; r < lens.size(0); ++r) {
+      const int64_t length = lens.data_ptr<int64_t>()[r];
+      TORCH_CHECK(length >= 1 && length <= longest, "row ", r, "'s context length ", length, " is outside 1..",
+                  longest, " (its block table's)");
+    }
     at::Tensor out = at::empty_like(x);
-    // The calling thread's state (inference mode among it) for the ATen calls on the others.
-    const at::ThreadLocalState state;
-    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
-      const at::ThreadLocalStateGuard guard(state);
+    parallel_with_state(static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first, int64_t last) {
       for (int64_t part = first; part < last; ++part) {
         const int64_t begin = bounds[part], end = bounds[part + 1];
-        if (begin == end) continue;
         // Contiguous once here, not in each layer's calls.
         at::Tensor rows = run_layers(x.slice(0, begin, end), cos.slice(2, begin, end).contiguous(),
                                      sin.slice(2, begin, end).contiguous(),
                                      slot_mapping.slice(0, begin, end).contiguous(), c10::nullopt, c10::nullopt, -1,
                                      block_tables.slice(0, begin, end).contiguous(),
-                                     context_lens.slice(0, begin, end).contiguous(), block_size, tokens);
+                                     lens.slice(0, begin, end).contiguous(), block_size);
         out.slice(0, begin, end).copy_(rows);
       }
     });
+    ++split_steps_;
     return out;
   }
 
@@ -386,12 +432,14 @@ class DecodeStack : public torch::CustomClassHolder {
     const at::Tensor lens = context_lens.contiguous();
     const int64_t* len = lens.data_ptr<int64_t>();
     const int64_t rows = lens.size(0);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / min_rows_per_part_));
+    const int64_t parts =
+        std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / min_rows_per_part_));
     std::vector<double> cumulative(rows + 1, 0.0);
     for (int64_t r = 0; r < rows; ++r) {
       // (A length outside the block table fails in the attention; here it only must not
       // unsort the sums.)
-      cumulative[r + 1] = cumulative[r] + kPositionsPerRowOfProducts + static_cast<double>(std::max<int64_t>(len[r], 0));
+      cumulative[r + 1] =
+          cumulative[r] + kPositionsPerRowOfProducts + static_cast<double>(std::max<int64_t>(len[r], 0));
     }
     std::vector<int64_t> bounds{0};
     for (int64_t p = 1; p < parts; ++p) {
@@ -401,11 +449,12 @@ class DecodeStack : public torch::CustomClassHolder {
       if (row > 0 && target - cumulative[row - 1] < cumulative[row] - target) --row;
       row = std::max(row, bounds.back() + min_rows_per_part_);
       row = std::min(row, rows - min_rows_per_part_ * (parts - p));
-      bounds.push_back(std::max(row, bounds.back()));
+      bounds.push_back(row);
     }
     bounds.push_back(rows);
     return bounds;
   }
+
   static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(kind >= kInt4 && kind <= kNativeFloat, "unknown product kind ", kind);
@@ -458,16 +507,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // chunk making the same ATen calls. Bitwise the whole batch's: a norm reduces within a row,
   // and its elementwise ops (square, add, rsqrt as 1 / sqrt, multiplies) round alike on any
   // split. (Not so silu, whose exp is vectorized for whole blocks and scalar for their tails:
-  // split by rows, some elements would round differently; it stays one call.)
+  // it is split by rows only where silu_rounds_alike says the blocks fall alike.)
   static at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool native) {
     if (native) return rms_norm(x, weight, eps);
     const int64_t rows = x.size(0), hidden = x.size(1);
     if (rows < kRowsToSplit || at::get_num_threads() < 2) return at::rms_norm(x, {hidden}, weight, eps);
     at::Tensor out = at::empty({rows, hidden}, x.options());
-    // The calling thread's state (inference mode among it) for the ATen calls on the others.
-    const at::ThreadLocalState state;
-    at::parallel_for(0, rows, kRowsToSplit / 2, [&](int64_t first, int64_t last) {
-      const at::ThreadLocalStateGuard guard(state);
+    parallel_with_state(rows, kRowsToSplit / 2, [&](int64_t first, int64_t last) {
       out.slice(0, first, last).copy_(at::rms_norm(x.slice(0, first, last), {hidden}, weight, eps));
     });
     return out;
@@ -483,7 +529,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // A group's products on one input; those taking bfloat16 share one rounded copy.
-  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x, int64_t rows) const {
+  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
     const at::Tensor rounded = group.rounds_always || (group.rounds_above && rows > max_native_int4_rows_)
                                    ? x.to(at::kBFloat16)
                                    : at::Tensor();
@@ -524,6 +571,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t max_split_rows_ = 0;
   int64_t min_rows_per_part_ = kMinRowsPerPartInt4;  // the kinds' largest kMinRowsPerPart*
   std::vector<int64_t> mlp_widths_;  // the layers' MLP inner widths (silu's), each once
+  mutable std::atomic<int64_t> split_steps_{0};
 
   int64_t head_dim_, max_int4_rows_, max_native_int4_rows_, group_size_;
   std::vector<Layer> layers_;
@@ -539,6 +587,7 @@ TORCH_LIBRARY(antiphon_cpu, m) {
       .def("finish", &DecodeStack::finish)
       .def("num_layers", &DecodeStack::num_layers)
       .def("row_parts", &DecodeStack::row_parts)
+      .def("split_steps", &DecodeStack::split_steps)
       .def("forward", &DecodeStack::forward);
   m.def("write_kv_rows(Tensor(a!) cache, Tensor slots, Tensor rows) -> ()", &write_kv_rows);
 }
