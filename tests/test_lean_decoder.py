@@ -177,17 +177,25 @@ def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_st
     assert runner.lean.native.stack.row_parts(torch.full((16,), 10)) == [0, 16]
 
 
+def small_stack(tmp_path, quantization: str, intermediate_size: int = 256):
+    """(LLM, its C++ stack) for a small Llama in a mode whose layers run native products: 4-bit
+    ("int4", AVX-512 VNNI) or exact ("none", AVX-512F); skips where this CPU lacks them."""
+    if quantization == "int4" and not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
+    if quantization == "none" and not native_decode.float32_product_available():
+        pytest.skip("the native float32 product needs AVX-512F")
+    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=intermediate_size)
+    llm = LLM(str(checkpoint), quantization=quantization, num_kv_blocks=64)
+    runner = llm.engine.core.executor.runner
+    return llm, native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+
+
 def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, native_stack, two_threads):
     """decode_stack.cpp's forward_split: from 8 rows up to the 4-bit kernel's limit, a step
-    runs as one part of its rows per thread, of at least 4 rows each (4-bit weights), balanced by their
-    contexts' lengths (a row's products weigh as much as ~340 positions of its attention)."""
-    if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
-    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=256)
-    llm = LLM(str(checkpoint), quantization="int4", num_kv_blocks=64)
-    runner = llm.engine.core.executor.runner
-    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    runs as one part of its rows per thread, of at least 4 rows each (4-bit weights),
+    balanced by their contexts' lengths (a row's products weigh ~340 positions of attention)."""
+    _, stack = small_stack(tmp_path, "int4")
 
     def parts(lengths: list[int]) -> list[int]:
         return stack.row_parts(torch.tensor(lengths, dtype=torch.int64))
@@ -217,26 +225,15 @@ def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path,
     loop of 32-element blocks and a scalar tail whose exp rounds apart; split by rows, each part
     makes one serial call. With an MLP of 4896: 8 rows (39168 elements, chunks of 19584) and 10
     (24480) are whole blocks either way; 9 rows' chunks (22032) end mid-block: not split."""
-    if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
-    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=4896)
-    llm = LLM(str(checkpoint), quantization="int4", num_kv_blocks=64)
-    runner = llm.engine.core.executor.runner
-    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    _, stack = small_stack(tmp_path, "int4", intermediate_size=4896)
     assert [len(stack.row_parts(torch.full((rows,), 10))) - 1 for rows in (8, 9, 10)] == [2, 1, 2]
 
 
 def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, two_threads, monkeypatch):
     """Exact mode's float32 weights are 8 times the 4-bit bytes: two threads each reading all of
     them pays from 8 rows a part. Its split steps give the model's own logits."""
-    if not native_decode.float32_product_available():
-        pytest.skip("the native float32 product needs AVX-512F")
-    checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=256)
-    llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=64)
+    llm, stack = small_stack(tmp_path, "none")
     runner = llm.engine.core.executor.runner
-    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
     assert stack.row_parts(torch.full((15,), 10)) == [0, 15]
     assert stack.row_parts(torch.full((16,), 10)) == [0, 8, 16]
     # No 32-row limit: the float32 product computes a row alike up to 255 rows.
