@@ -173,7 +173,6 @@ def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_st
     assert runner.lean.native.steps > 20
     # oneDNN's product may compute a row differently in another batch: such a stack never
     # splits a step by rows.
-    assert runner.lean.native.split == 0
     assert runner.lean.native.stack.row_parts(torch.full((16,), 10)) == [0, 16]
 
 
@@ -188,7 +187,9 @@ def small_stack(tmp_path, quantization: str, intermediate_size: int = 256):
                                       num_key_value_heads=1, intermediate_size=intermediate_size)
     llm = LLM(str(checkpoint), quantization=quantization, num_kv_blocks=64)
     runner = llm.engine.core.executor.runner
-    return llm, native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    assert stack is not None
+    return llm, stack
 
 
 def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, native_stack, two_threads):
@@ -220,13 +221,39 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     assert parts([10] * 16) == [0, 16]
 
 
-def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path, native_stack, two_threads):
+def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path, native_stack, two_threads,
+                                                                      monkeypatch):
     """silu over more than ATen's grain (32768 elements) runs in one chunk per thread, each a
     loop of 32-element blocks and a scalar tail whose exp rounds apart; split by rows, each part
     makes one serial call. With an MLP of 4896: 8 rows (39168 elements, chunks of 19584) and 10
     (24480) are whole blocks either way; 9 rows' chunks (22032) end mid-block: not split."""
-    _, stack = small_stack(tmp_path, "int4", intermediate_size=4896)
+    llm, stack = small_stack(tmp_path, "int4", intermediate_size=4896)
     assert [len(stack.row_parts(torch.full((rows,), 10))) - 1 for rows in (8, 9, 10)] == [2, 1, 2]
+    # Nine streams: their 9-row steps stay whole and give the model's own logits. (Split, 32 of
+    # silu's elements a layer would take the other exp, which rounds apart now and then, as it
+    # did over 16 x 4864 on three threads; here, on so few, it happens not to.)
+    steps = run_both_forwards(monkeypatch, llm, native=True)
+    llm.generate([[5 + i, 6, 7] for i in range(9)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [rows for rows, equal in steps if not equal] == []
+    assert 9 in {rows for rows, _ in steps} and llm.engine.core.executor.runner.lean.native.split == 0
+
+
+def test_a_bad_context_length_fails_a_split_step_before_any_cache_write(tmp_path, native_stack, two_threads):
+    """forward_split checks the whole step's lengths before either part runs: unsplit, the
+    attention's own check stops the step at the first layer; split, the other part would
+    otherwise write its rows into every layer's cache first."""
+    llm, stack = small_stack(tmp_path, "int4")
+    runner = llm.engine.core.executor.runner
+    lengths = torch.full((16,), 10)
+    assert len(stack.row_parts(lengths)) == 3
+    lengths[12] = 0
+    caches = [cache for pair in runner.kv_caches for cache in pair]
+    before = [cache.clone() for cache in caches]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="context length 0"):
+        stack.forward(torch.randn(16, 128), torch.ones(1, 1, 16, 64), torch.zeros(1, 1, 16, 64),
+                      torch.arange(16), None, None, -1, torch.zeros(16, 1, dtype=torch.int64), lengths,
+                      runner.block_size)
+    assert all(torch.equal(cache, saved) for cache, saved in zip(caches, before))
 
 
 def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, two_threads, monkeypatch):
@@ -318,10 +345,11 @@ def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwis
 def test_native_steps_stay_bitwise_on_two_and_three_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm,
                                                                            threads, monkeypatch):
     """The stack splits a batch's ATen norms between the threads by rows (the native norm, by
-    rows of its own); ATen splits a large elementwise call (here silu over 16 x 4864) by
+    rows of its own); ATen splits a large elementwise call (here silu over 17 x 4864) by
     elements. All must leave the logits the model's own (a silu split by rows did not, on 3
-    threads: its exp rounds block tails apart). On two threads the 16-row steps run split by
-    rows (forward_split), ATen's norm and a silu above ATen's grain included."""
+    threads: its exp rounds block tails apart). On two threads the 17-row steps run split by
+    rows (forward_split), ATen's norm included, and silu's one call over them would run in two
+    chunks that meet mid-row (on a block boundary: 4864 is a multiple of 64)."""
     if native_norm and not (native_decode.rms_norm_available() and native_decode.float32_product_available()):
         pytest.skip("the native RMSNorm needs AVX-512F")
     if not native_norm:
@@ -334,14 +362,15 @@ def test_native_steps_stay_bitwise_on_two_and_three_threads_and_a_wide_mlp(tmp_p
         # Exact mode: its native products take the native norm where it runs.
         llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=256, max_num_batched_tokens=24)
         steps = run_both_forwards(monkeypatch, llm, native=True)
-        llm.generate([[5 + i, 6, 7] for i in range(16)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        llm.generate([[5 + i, 6, 7] for i in range(17)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:
         torch.set_num_threads(saved)
     assert [rows for rows, equal in steps if not equal] == []
     runner = llm.engine.core.executor.runner
     assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_norm}
-    assert runner.lean.native.steps >= 5 and 16 in {rows for rows, _ in steps}
-    assert (runner.lean.native.split > 0) == (threads == 2)
+    assert runner.lean.native.steps >= 5 and 17 in {rows for rows, _ in steps}
+    # (Exact mode's products are native where the CPU has AVX-512F; else oneDNN's, never split.)
+    assert (runner.lean.native.split > 0) == (threads == 2 and native_decode.float32_product_available())
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):

@@ -400,7 +400,8 @@ class DecodeStack : public torch::CustomClassHolder {
                            const at::Tensor& context_lens, int64_t block_size,
                            const std::vector<int64_t>& bounds) const {
     // The lengths checked for the whole step before any part runs: a bad one fails the step
-    // before either part writes the cache (the attention checks them too, per part).
+    // before either part writes the cache (the attention checks them too, per part, and the
+    // block ids, which a part finds bad only after the other part may have written its rows).
     const int64_t longest = block_tables.size(1) * block_size;
     const at::Tensor lens = context_lens.contiguous();
     for (int64_t r = 0; r < lens.size(0); ++r) {
