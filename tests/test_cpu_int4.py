@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.request import Request
 from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode
 from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
@@ -95,6 +96,20 @@ def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
     assert torch.equal(fused(x), torch.cat([out, other(x)], dim=1))
     views = fused.column_views([48, 32])
     assert [tuple(v.shape[:1]) for v in views] == [(3,), (2,)] and views[1].data_ptr() != views[0].data_ptr()
+
+
+def test_a_decode_row_computes_the_same_in_a_step_of_any_size_the_engine_schedules():
+    """Decode steps take the native kernel up to as many rows as the engine schedules streams by
+    default (max_num_seqs): a stream's answer does not change when more streams join (the
+    bfloat16 copy, which larger steps took before, rounds its inputs otherwise)."""
+    if not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    product = quantize_int4(linear_on_grid(128, 48).weight).product()
+    rows = EngineConfig().max_num_seqs
+    assert product.native and product.max_rows >= rows
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(0))
+    out = product(x)
+    assert all(torch.equal(product(x[i:i + 1]), out[i:i + 1]) for i in (0, 77, rows - 1))
 
 
 def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_does_its_whole_copy(monkeypatch):

@@ -204,8 +204,9 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     assert parts([10] * 8) == [0, 4, 8]
     # Fewer rows: each call split between the threads instead.
     assert parts([10] * 7) == [0, 7]
-    # Past the 4-bit kernel's 32 rows the products take oneDNN (the bfloat16 copy).
-    assert parts([10] * 32) == [0, 16, 32] and parts([10] * 33) == [0, 33]
+    # Past the 4-bit kernel's rows (512) the products take oneDNN (the bfloat16 copy).
+    limit = cpu_int4.MAX_NATIVE_INT4_ROWS
+    assert parts([10] * limit) == [0, limit // 2, limit] and parts([10] * (limit + 1)) == [0, limit + 1]
     # Four rows of 2000 positions outweigh twelve of 10: the balanced bound (13) would leave
     # the second part three rows; it keeps the four it must have.
     assert parts([10] * 12 + [2000] * 4) == [0, 12, 16]

@@ -47,13 +47,16 @@ MAX_CODE = 15
 # Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. Against oneDNN's
 # bfloat16 product over the default model's layers (benchmarks/int4_kernels.py): torch's kernel
 # 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
-# every row count (5x at 1 row, 2x at 32, 1.1x at 512), but its 8-bit inputs in a prompt's
-# prefill moved the default model's greedy answers (its demo answer turned French), so larger
-# steps keep the bfloat16 copy, and so does every step that computes prompt tokens (below).
+# every row count (5x at 1 row, 2x at 32, 1.5-1.9x at 48-96, 1.1x at 512), but its 8-bit
+# inputs in a prompt's prefill moved the default model's greedy answers (its demo answer turned
+# French), so every step that computes prompt tokens takes the copy (below). Decode steps take
+# the native kernel up to 512 rows (it was 32 until prompt steps had their own rule: 48 greedy
+# streams then decoded at ~610 tok/s on the copy, 900-1010 on the kernel), so a decode row
+# computes the same in a step of any size up to there.
 MAX_INT4_ROWS = 8
-MAX_NATIVE_INT4_ROWS = 32
+MAX_NATIVE_INT4_ROWS = 512
 # Steps that compute prompt tokens take the bfloat16 copy at every row count (`prompt_step`,
-# which the model runner sets per step). A whole prompt of more than MAX_NATIVE_INT4_ROWS tokens
+# which the model runner sets per step). A whole prompt of more than the kernel's rows (then 32)
 # took the copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took
 # the native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
 # question was answered "Paris" if asked first and French gibberish once another conversation had

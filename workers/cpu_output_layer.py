@@ -16,7 +16,7 @@ returned get float32 logits for the whole row instead (`full_precision_rows`): a
 a mask the winner can be anywhere in the vocabulary.
 
 A step whose rows are all plain greedy (`greedy_step`: argmax, nothing else read) of up to
-the 4-bit kernel's rows (cpu_int4.py's kernel_max_rows, 8 or 32: prompt steps too, since it
+the 4-bit kernel's rows (cpu_int4.py's kernel_max_rows, 8 or 512: prompt steps too, since it
 only picks) needs only each row's winner: there the
 candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: with torch's
 kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "decode_attention.h"
@@ -235,7 +236,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // Checked once after the last layer, not per step.
   void finish() {
     rows_independent_ = !layers_.empty();
-    max_split_rows_ = kFloat32RowsForOneDNN - 1;
+    max_split_rows_ = std::numeric_limits<int64_t>::max();
     min_rows_per_part_ = kMinRowsPerPartInt4;
     mlp_widths_.clear();
     for (Layer& layer : layers_) {
@@ -247,7 +248,10 @@ class DecodeStack : public torch::CustomClassHolder {
           // torch's 4-bit kernel may vary with the rows), each up to its own limit.
           rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat);
           if (p.kind == kNativeInt4) max_split_rows_ = std::min(max_split_rows_, max_native_int4_rows_);
-          if (p.kind == kNativeFloat) min_rows_per_part_ = kMinRowsPerPartFloat32;
+          if (p.kind == kNativeFloat) {
+            max_split_rows_ = std::min(max_split_rows_, kFloat32RowsForOneDNN - 1);
+            min_rows_per_part_ = kMinRowsPerPartFloat32;
+          }
         }
       }
       TORCH_CHECK(layer.groups.size() == 4, "a layer has 4 product groups, got ", layer.groups.size());
