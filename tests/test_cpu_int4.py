@@ -98,18 +98,22 @@ def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
     assert [tuple(v.shape[:1]) for v in views] == [(3,), (2,)] and views[1].data_ptr() != views[0].data_ptr()
 
 
-def test_a_decode_row_computes_the_same_in_a_step_of_any_size_the_engine_schedules():
-    """Decode steps take the native kernel up to as many rows as the engine schedules streams by
-    default (max_num_seqs): a stream's answer does not change when more streams join (the
-    bfloat16 copy, which larger steps took before, rounds its inputs otherwise)."""
+def test_a_decode_row_computes_the_same_in_a_step_of_any_size_the_engine_schedules(monkeypatch):
+    """4-bit layers run decode steps on the native kernel up to as many rows as the engine
+    schedules streams by default (max_num_seqs): a row's output does not change when more
+    streams join (the bfloat16 copy, which steps of over 32 rows took before, rounds its inputs
+    otherwise). 512 outputs: 32 tiles, shared by the threads by tiles and by rows."""
     if not native_decode.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
-    product = quantize_int4(linear_on_grid(128, 48).weight).product()
+    if "amx_bf16" in cpu_linear.cpu_flags():
+        pytest.skip("on CPUs with AMX the native kernel keeps 32 rows (oneDNN's bfloat16 product beyond)")
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: True)
+    linear = linear_on_grid(128, 512)
+    layer = Int4Linear(linear, quantize_int4(linear.weight))
     rows = EngineConfig().max_num_seqs
-    assert product.native and product.max_rows >= rows
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(0))
-    out = product(x)
-    assert all(torch.equal(product(x[i:i + 1]), out[i:i + 1]) for i in (0, 77, rows - 1))
+    x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(0))
+    out = layer(x)
+    assert all(torch.equal(layer(x[:, i:i + 1]), out[:, i:i + 1]) for i in (0, 17, 77, rows - 1))
 
 
 def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_does_its_whole_copy(monkeypatch):
@@ -573,9 +577,10 @@ def first_token(llm: LLM, prompt: list[int]):
 ])
 def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama, int4_kernel, prompt_length,
                                                                       other_prompt):
-    """The 4-bit mode computes every prompt token from the bfloat16 copy, so a prompt computed
-    whole (more rows than the 4-bit kernels take) and one whose head came from the prefix cache
-    (a few rows, which would take a 4-bit kernel) give the same answer and first log-probabilities."""
+    """The 4-bit mode computes every prompt token from the bfloat16 copy (`prompt_step`: the
+    row count alone would give any of these steps a 4-bit kernel), so a prompt computed whole
+    and one whose head came from the prefix cache give the same answer and first
+    log-probabilities."""
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Int4Linear)
     # Where the C++ decode stack serves, a prompt's last token alone must not take it (4 bits).

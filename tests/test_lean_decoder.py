@@ -264,7 +264,7 @@ def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, tw
     runner = llm.engine.core.executor.runner
     assert stack.row_parts(torch.full((15,), 10)) == [0, 15]
     assert stack.row_parts(torch.full((16,), 10)) == [0, 8, 16]
-    # No 32-row limit: the float32 product computes a row alike up to 255 rows.
+    # Up to the float32 product's own limit: it computes a row alike up to 255 rows.
     assert stack.row_parts(torch.full((64,), 10)) == [0, 32, 64]
     steps = run_both_forwards(monkeypatch, llm, native=True)
     llm.generate([[5 + i, 6, 7] for i in range(20)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

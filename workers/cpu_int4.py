@@ -14,10 +14,11 @@ is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale an
 - elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
   scales and zeros, float accumulation).
 
-Its arithmetic costs more per row than oneDNN's bfloat16 product, so it wins only while reading
-the weights dominates. Measured here over all 210 layers of the default model (each read from
-memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x, 12-16 rows
-even, 24 rows slower. So each layer also keeps a bfloat16 copy of the same (dequantized)
+Torch's kernel's arithmetic costs more per row than oneDNN's bfloat16 product, so it wins only
+while reading the weights dominates. Measured here over all 210 layers of the default model
+(each read from memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x,
+12-16 rows even, 24 rows slower. The native kernel is faster at every row count measured
+(MAX_NATIVE_INT4_ROWS, below). Each layer also keeps a bfloat16 copy of the same (dequantized)
 weights, oneDNN-packed, for larger batches and for every step that computes prompt tokens
 (`prompt_step`).
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.cpu_features import cpu_flags
 from workers.cpu_packed_linear import PackedLinear
 
 GROUP_SIZE = 32
@@ -51,10 +53,12 @@ MAX_CODE = 15
 # inputs in a prompt's prefill moved the default model's greedy answers (its demo answer turned
 # French), so every step that computes prompt tokens takes the copy (below). Decode steps take
 # the native kernel up to 512 rows (it was 32 until prompt steps had their own rule: 48 greedy
-# streams then decoded at ~610 tok/s on the copy, 900-1010 on the kernel), so a decode row
-# computes the same in a step of any size up to there.
+# streams then decoded at ~610 tok/s on the copy, 900-1010 on the kernel), so in greedy steps a
+# decode row computes the same in a step of any size up to there. Except on CPUs with AMX,
+# whose bfloat16 tile products (16 times vpdpbusd's multiply-adds a cycle) should outrun the
+# kernel at many rows: there it stays 32 (not measured; this host has no AMX).
 MAX_INT4_ROWS = 8
-MAX_NATIVE_INT4_ROWS = 512
+MAX_NATIVE_INT4_ROWS = 32 if "amx_bf16" in cpu_flags() else 512
 # Steps that compute prompt tokens take the bfloat16 copy at every row count (`prompt_step`,
 # which the model runner sets per step). A whole prompt of more than the kernel's rows (then 32)
 # took the copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took

@@ -14,8 +14,8 @@ and benchmarks/perplexity.py):
   only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Perplexity within
   0.1% of "none" on the default model.
 - "int4": 4-bit weights in groups of 32 (GGUF's Q4_1 layout) for decode steps of up to 8
-  rows (32 on the native kernel), a bfloat16 copy for larger ones and for steps that compute
-  prompt tokens (cpu_int4.py). An eighth of float32's bytes: 3x
+  rows (512 on the native kernel, 32 on CPUs with AMX), a bfloat16 copy for larger ones and for
+  steps that compute prompt tokens (cpu_int4.py). An eighth of float32's bytes: 3x
   faster than bf16 per one-row layer here. Lossy for a checkpoint that was not 4-bit.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. Small models lose a lot (SmolLM2-135M:
@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from engine.config import QUANTIZATION_MODES
+from workers.cpu_features import cpu_flags
 from workers.cpu_float32_linear import Float32Linear, can_tile
 from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
 from workers.cpu_output_layer import RescoredOutputLayer
@@ -64,16 +65,6 @@ def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
 
 def can_pack() -> bool:
     return torch.backends.mkldnn.is_available()
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("flags")), "flags:")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[1].split())
 
 
 def cpu_has_native_bf16() -> bool:

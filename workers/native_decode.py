@@ -40,7 +40,7 @@ import torch
 
 from workers import cpu_int4
 from workers.cpu_float32_linear import Float32Linear
-from workers.cpu_linear import cpu_flags
+from workers.cpu_features import cpu_flags
 
 logger = logging.getLogger("antiphon")
 

@@ -50,6 +50,17 @@ namespace {
 
 constexpr int64_t kMaxRowsPerPass = 4;
 
+// The threads share a product's work in items of one tile of outputs and up to this many rows
+// (a multiple of kMaxRowsPerPass, so the passes fall as in a whole-tile call: the same
+// arithmetic per row). Up to this many rows that is one item per tile, as a decode step of a
+// few streams needs; a step of many rows (decode steps take this kernel up to 512,
+// cpu_int4.MAX_NATIVE_INT4_ROWS) also spreads over its rows, so on a many-core CPU the
+// threads are not limited to a layer's tiles (36 for a 576-output layer, in items of 4).
+constexpr int64_t kRowsPerItem = 16;
+static_assert(kRowsPerItem % kMaxRowsPerPass == 0, "items hold whole passes");
+// Inputs of more rows than this are quantized by the threads together.
+constexpr int64_t kRowsToQuantizeApart = 16;
+
 // Four int8 inputs read as one 32-bit value (any alignment, aliasing the int8 array).
 typedef int32_t FourInputs __attribute__((may_alias, aligned(1)));
 
@@ -146,19 +157,18 @@ VNNI_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
   for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(y + (row + r) * n + tile * kTile, out[r]);
 }
 
-VNNI_TARGET void product_tiles(const int8_t* q, const float* steps, const float* sums, const uint8_t* codes,
-                               const uint16_t* scales_and_minimums, float* y, int64_t rows, int64_t k, int64_t n,
-                               int64_t first_tile, int64_t last_tile) {
-  for (int64_t tile = first_tile; tile < last_tile; ++tile) {
-    // Rows in passes of up to four: the tile's codes (K / 2 bytes) are re-read from cache, not
-    // memory.
-    for (int64_t row = 0; row < rows; row += kMaxRowsPerPass) {
-      switch (std::min(rows - row, kMaxRowsPerPass)) {
-        case 1: product_tile<1>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
-        case 2: product_tile<2>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
-        case 3: product_tile<3>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
-        default: product_tile<4>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
-      }
+// Output tile `tile` for rows [first_row, last_row), first_row a multiple of kMaxRowsPerPass.
+VNNI_TARGET void product_tile_rows(const int8_t* q, const float* steps, const float* sums, const uint8_t* codes,
+                                   const uint16_t* scales_and_minimums, float* y, int64_t k, int64_t n,
+                                   int64_t tile, int64_t first_row, int64_t last_row) {
+  // Rows in passes of up to four: the tile's codes (K / 2 bytes) are re-read from cache, not
+  // memory.
+  for (int64_t row = first_row; row < last_row; row += kMaxRowsPerPass) {
+    switch (std::min(last_row - row, kMaxRowsPerPass)) {
+      case 1: product_tile<1>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
+      case 2: product_tile<2>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
+      case 3: product_tile<3>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
+      default: product_tile<4>(q, steps, sums, codes, scales_and_minimums, y, k, n, row, tile); break;
     }
   }
 }
@@ -198,16 +208,26 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor y = at::empty({rows, n}, input.options());
   if (rows == 0) return y;
 #ifdef ANTIPHON_INT4_PRODUCT
-  quantize_rows(input.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), steps.data_ptr<float>(),
-                sums.data_ptr<float>());
-  const int8_t* q_data = q.data_ptr<int8_t>();
-  const float* step_data = steps.data_ptr<float>();
-  const float* sum_data = sums.data_ptr<float>();
+  const float* x_data = input.data_ptr<float>();
+  int8_t* q_data = q.data_ptr<int8_t>();
+  float* step_data = steps.data_ptr<float>();
+  float* sum_data = sums.data_ptr<float>();
+  // Each row on its own: the same codes whoever quantizes it.
+  at::parallel_for(0, rows, kRowsToQuantizeApart, [&](int64_t first, int64_t last) {
+    quantize_rows(x_data + first * k, last - first, k, q_data + first * k, step_data + first * groups,
+                  sum_data + first * groups);
+  });
   const uint8_t* code_data = codes.data_ptr<uint8_t>();
   const uint16_t* scale_data = reinterpret_cast<const uint16_t*>(scales_and_minimums.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
-    product_tiles(q_data, step_data, sum_data, code_data, scale_data, out, rows, k, n, first, last);
+  const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  // Items of one tile lie side by side, so consecutive items reuse its codes from cache.
+  at::parallel_for(0, tiles * row_blocks, 4, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t tile = item / row_blocks, first_row = item % row_blocks * kRowsPerItem;
+      product_tile_rows(q_data, step_data, sum_data, code_data, scale_data, out, k, n, tile, first_row,
+                        std::min(rows, first_row + kRowsPerItem));
+    }
   });
 #endif
   return y;
