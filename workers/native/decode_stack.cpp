@@ -232,7 +232,6 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-
   // Checked once after the last layer, not per step.
   void finish() {
     rows_independent_ = !layers_.empty();
@@ -408,8 +407,9 @@ class DecodeStack : public torch::CustomClassHolder {
     // block ids, which a part finds bad only after the other part may have written its rows).
     const int64_t longest = block_tables.size(1) * block_size;
     const at::Tensor lens = context_lens.contiguous();
+    const int64_t* lengths = lens.data_ptr<int64_t>();
     for (int64_t r = 0; r < lens.size(0); ++r) {
-      const int64_t length = lens.data_ptr<int64_t>()[r];
+      const int64_t length = lengths[r];
       TORCH_CHECK(length >= 1 && length <= longest, "row ", r, "'s context length ", length, " is outside 1..",
                   longest, " (its block table's)");
     }
