@@ -44,6 +44,18 @@ def native_kernel_decisions():
             native_decode._state[kernel] = decision
 
 
+@pytest.fixture(params=["native", "torch"])
+def int4_kernel(request, monkeypatch) -> bool:
+    """4-bit layers on each kernel (cpu_int4.Int4Product); True for the native one."""
+    from workers import cpu_int4, native_decode
+
+    native = request.param == "native"
+    if native and not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
+    return native
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny-models")

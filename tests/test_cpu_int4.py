@@ -34,16 +34,6 @@ def linear_on_grid(in_features: int, out_features: int, bias: bool = False, seed
 
 
 @pytest.fixture(params=["native", "torch"])
-def int4_kernel(request, monkeypatch) -> bool:
-    """4-bit layers on each kernel (cpu_int4.Int4Product); True for the native one."""
-    native = request.param == "native"
-    if native and not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
-    return native
-
-
-@pytest.fixture(params=["native", "torch"])
 def rescore(request) -> bool:
     """Whether output layers made in the test rescore their candidates natively
     (rescore_top.cpp) or with torch's topk and batched product."""
@@ -176,7 +166,7 @@ def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_ba
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
     torch.manual_seed(0)
-    limit = layer.int4.max_rows
+    limit = cpu_int4.kernel_rows_limit(layer.int4.native)
     assert limit == (cpu_int4.MAX_NATIVE_INT4_ROWS if int4_kernel else cpu_int4.MAX_INT4_ROWS)
     for rows in (1, 2, limit, limit + 1, 40):
         x = torch.randn(1, rows, 128)
@@ -539,17 +529,17 @@ def test_the_kernel_benchmark_runs_and_prints_each_kernels_row():
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:1 + len(kinds)])
 
 
-def test_a_prompt_step_takes_the_bfloat16_copy_at_every_row_count(int4_kernel):
-    linear = linear_on_grid(128, 80)
+def test_prompt_tokens_take_the_bfloat16_copy_at_every_row_count_and_generated_ones_the_kernel(int4_kernel):
+    linear = linear_on_grid(128, 80, bias=True)
     layer = Int4Linear(linear, quantize_int4(linear.weight))
     torch.manual_seed(3)
     x = torch.randn(1, 3, 128)
     outside = layer(x)
-    with cpu_int4.prompt_step(True):
-        assert layer.int4.max_rows == 0 and cpu_int4.in_prompt_step()
+    with cpu_int4.prompt_step(0):
+        assert cpu_int4.kernel_rows(3, int4_kernel) == 0 and cpu_int4.in_prompt_step()
         inside = layer(x)
-        with cpu_int4.prompt_step(False):
-            assert layer.int4.max_rows > 0
+        with cpu_int4.prompt_step(None):
+            assert cpu_int4.kernel_rows(3, int4_kernel) == 3
         assert cpu_int4.in_prompt_step()
         # Per thread: another thread's forward is not in this step.
         seen = []
@@ -558,10 +548,18 @@ def test_a_prompt_step_takes_the_bfloat16_copy_at_every_row_count(int4_kernel):
         worker.join()
         assert seen == [False]
     assert not cpu_int4.in_prompt_step()
-    assert torch.equal(inside, layer.batched(x))
+    assert torch.equal(inside, layer.batched(x) + linear.bias)
     assert torch.equal(layer(x), outside)
     if int4_kernel:  # 8-bit inputs there, bfloat16 ones in a prompt step
         assert not torch.equal(inside, outside)
+    # Two generated tokens' rows, then a prompt token's: each row as in a step of its kind.
+    with cpu_int4.prompt_step(2):
+        split = layer(x)
+    assert torch.equal(split[:, :2], layer(x[:, :2])) and torch.equal(split[:, 2:], inside[:, 2:])
+    # More generated rows than the kernel takes: the copy takes them all.
+    limit = cpu_int4.kernel_rows_limit(int4_kernel)
+    with cpu_int4.prompt_step(limit + 1):
+        assert cpu_int4.kernel_rows(limit + 2, int4_kernel) == 0
 
 
 def first_token(llm: LLM, prompt: list[int]):
@@ -600,23 +598,32 @@ def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama
     torch.testing.assert_close(logprobs, whole_logprobs, rtol=0, atol=2e-5)
 
 
-def test_the_runner_marks_the_steps_that_compute_prompt_tokens(tiny_llama, monkeypatch):
-    """A step computes prompt tokens if any of its rows does, a decode row beside a prompt's
-    tail included; steps of generated tokens alone do not."""
+def test_the_runner_marks_where_a_steps_prompt_tokens_begin(tiny_llama, monkeypatch):
+    """A step's rows of generated tokens come first, whatever order the scheduler gives (here
+    the reverse of its own), and the rows from the first one that computes a prompt token, of
+    one token or more, take the bfloat16 copy; steps of generated tokens alone have none."""
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     core = llm.engine.core
-    flags = []
+    marks = []
     step = cpu_int4.prompt_step
 
-    def recording(computes_prompt):
-        flags.append(computes_prompt)
-        return step(computes_prompt)
+    def recording(prompt_rows_from):
+        marks.append(prompt_rows_from)
+        return step(prompt_rows_from)
     monkeypatch.setattr(cpu_int4, "prompt_step", recording)
+    schedule = core.scheduler.schedule
+
+    def reversed_schedule():
+        sched = schedule()
+        sched.num_scheduled_tokens = dict(reversed(sched.num_scheduled_tokens.items()))
+        return sched
+    monkeypatch.setattr(core.scheduler, "schedule", reversed_schedule)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     core.add_request(Request("a", list(range(5, 25)), params))
     core.step()  # a's prompt
     core.step()  # a decodes alone
     core.add_request(Request("b", list(range(30, 50)), params))
+    core.add_request(Request("c", list(range(60, 61)), params))  # a one-token prompt: one row, still a prompt
     while core.has_unfinished_requests:
-        core.step()  # a decodes beside b's prompt, then both decode, then b alone
-    assert flags == [True, False, True, False, False, False]
+        core.step()  # a decodes beside b's and c's prompts, then all decode, then b and c
+    assert marks == [0, None, 1, None, None, None]

@@ -7,7 +7,10 @@ matrix out as one sequential stream per tile of 8 outputs and prefetches ahead i
 faster here (`python benchmarks/float32_products.py`). Up to 255 rows a row's result does not
 depend on its batch; steps of 256 rows or more (long prefill chunks, where oneDNN's blocking is
 1.3x faster) take oneDNN's product on a plain copy of the weights made for the call (a second
-copy kept beside the tiles would double exact mode's memory).
+copy kept beside the tiles would double exact mode's memory). In such a step the generated
+tokens (which lead it) are computed in a call of their own, as in a step of their own, so a
+greedy answer does not depend on another request's prompt sharing its steps
+(`float32_product`; cpu_int4.prompt_step).
 
 Its arithmetic is float32 products summed in another order than `F.linear`'s (chains of
 fused multiply-adds 16 lanes wide, then the lanes): differences at rounding level, as between
@@ -20,9 +23,26 @@ from __future__ import annotations
 
 import torch
 
+from workers.cpu_int4 import generated_rows
+
 # The kernel's tile: 8 outputs, inputs in chunks of 16 (float32_product.cpp's layout).
 TILE_OUTPUTS = 8
 CHUNK_INPUTS = 16
+
+
+# Calls of this many rows or more take oneDNN's product (float32_product.h, kFloat32RowsForOneDNN).
+ROWS_FOR_ONEDNN = 256
+
+
+def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] float32 times a tiled weight through `kernel` (the native product): in one
+    call, except where the call would take oneDNN's product and this step's generated tokens
+    are fewer than its rows: those are computed in a call of their own first."""
+    rows = x.shape[0]
+    generated = generated_rows(rows)
+    if rows >= ROWS_FOR_ONEDNN and 0 < generated < rows:
+        return torch.cat([kernel(x[:generated], tiled), kernel(x[generated:], tiled)])
+    return kernel(x, tiled)
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:
@@ -57,7 +77,7 @@ class Float32Linear(torch.nn.Module):
         self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._kernel(x.reshape(-1, self.in_features), self.tiled)
+        out = float32_product(self._kernel, x.reshape(-1, self.in_features), self.tiled)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)

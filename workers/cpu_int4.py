@@ -19,8 +19,7 @@ while reading the weights dominates. Measured here over all 210 layers of the de
 (each read from memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x,
 12-16 rows even, 24 rows slower. The native kernel is faster at every row count measured
 (MAX_NATIVE_INT4_ROWS, below). Each layer also keeps a bfloat16 copy of the same (dequantized)
-weights, oneDNN-packed, for larger batches and for every step that computes prompt tokens
-(`prompt_step`).
+weights, oneDNN-packed, for larger batches and for prompt tokens (`prompt_step`).
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
@@ -59,38 +58,45 @@ MAX_CODE = 15
 # kernel at many rows: there it stays 32 (not measured; this host has no AMX).
 MAX_INT4_ROWS = 8
 MAX_NATIVE_INT4_ROWS = 32 if "amx_bf16" in cpu_flags() else 512
-# Steps that compute prompt tokens take the bfloat16 copy at every row count (`prompt_step`,
-# which the model runner sets per step). A whole prompt of more than the kernel's rows (then 32)
-# took the copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took
-# the native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
-# question was answered "Paris" if asked first and French gibberish once another conversation had
-# cached the system prompt. So the tokens a prompt step computes take the copy whatever part
-# of the prompt is cached. (Not every cached token came from one: a follow-up turn's prompt
-# holds the previous answer, whose cached keys and values its decode steps computed in 4 bits,
-# and a fresh cache computes them from the copy.) The flag covers the whole step: a decode row
-# that shares a step with prompt tokens takes the copy too (as it does in a step of more than
-# the kernel's rows), which costs those steps some speed. Per thread, as a forward runs in the
+# Prompt tokens take the bfloat16 copy at every row count (`prompt_step`, which the model runner
+# sets per step). A whole prompt of more than the kernel's rows (then 32) took the copy anyway,
+# but a prompt's tail after a prefix-cache hit, a step of a few rows, took the native kernel,
+# whose 8-bit inputs then moved the answer: on a fresh server the README's question was answered
+# "Paris" if asked first and French gibberish once another conversation had cached the system
+# prompt. So the tokens a prompt step computes take the copy whatever part of the prompt is
+# cached. (Not every cached token came from one: a follow-up turn's prompt holds the previous
+# answer, whose cached keys and values its decode steps computed in 4 bits, and a fresh cache
+# computes them from the copy.)
+# Generated tokens take the kernel in every step, a step that also computes prompt tokens
+# included: the runner puts their rows first and each product splits there (`kernel_rows`), so
+# a greedy answer does not depend on what else the server runs. When the copy took a whole
+# step's rows, a stream's tokens changed whenever another request's prompt arrived while it
+# decoded: 11 of 12 greedy 150-token answers of the default model differed under load from the
+# same requests alone (tests/test_cpu_int4.py pins it). Per thread, as a forward runs in the
 # thread that calls it (workers/paged_attention.py's step metadata likewise).
 class _Step(threading.local):
-    computes_prompt = False
+    # The first row (of the step's tokens, in batch order) that computes a prompt token; the
+    # rows before it are generated tokens. None: no row does.
+    prompt_rows_from: int | None = None
 
 
 _step = _Step()
 
 
 @contextlib.contextmanager
-def prompt_step(computes_prompt: bool):
-    """Within this block, 4-bit layers take their bfloat16 copy if `computes_prompt`."""
-    previous = _step.computes_prompt
-    _step.computes_prompt = computes_prompt
+def prompt_step(prompt_rows_from: int | None):
+    """Within this block, 4-bit layers compute a step whose rows from `prompt_rows_from` on are
+    prompt tokens (None: none are): those rows take the bfloat16 copy."""
+    previous = _step.prompt_rows_from
+    _step.prompt_rows_from = prompt_rows_from
     try:
         yield
     finally:
-        _step.computes_prompt = previous
+        _step.prompt_rows_from = previous
 
 
 def in_prompt_step() -> bool:
-    return _step.computes_prompt
+    return _step.prompt_rows_from is not None
 
 
 def kernel_rows_limit(native: bool) -> int:
@@ -99,9 +105,17 @@ def kernel_rows_limit(native: bool) -> int:
     return MAX_NATIVE_INT4_ROWS if native else MAX_INT4_ROWS
 
 
-def rows_limit(native: bool) -> int:
-    """The most rows a 4-bit layer's kernel takes in this step: none in a prompt step."""
-    return 0 if in_prompt_step() else kernel_rows_limit(native)
+def generated_rows(rows: int) -> int:
+    """How many of a product's `rows` (a step's, in batch order) are generated tokens (they
+    lead): all of them in a step without prompt tokens."""
+    return rows if _step.prompt_rows_from is None else min(rows, _step.prompt_rows_from)
+
+
+def kernel_rows(rows: int, native: bool) -> int:
+    """How many of a product's `rows` a 4-bit kernel computes in this step: the generated
+    tokens' rows, if the kernel takes that many; the rest take the bfloat16 copy."""
+    generated = generated_rows(rows)
+    return generated if generated <= kernel_rows_limit(native) else 0
 
 
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
@@ -216,12 +230,6 @@ class Int4Product:
                             self.scales).float()
 
     @property
-    def max_rows(self) -> int:
-        """The most rows this kernel takes in this step (`rows_limit`); more take the layer's
-        bfloat16 copy."""
-        return rows_limit(self.native)
-
-    @property
     def kernel_max_rows(self) -> int:
         """The most rows this kernel takes in any step: for the output layer's candidate picker,
         whose picks are rescored in float32 (cpu_output_layer.py), so prompt steps keep it."""
@@ -283,8 +291,8 @@ def int4_if_on_grid(weight: torch.Tensor) -> Int4Weight | None:
 
 
 class Int4Linear(torch.nn.Module):
-    """`nn.Linear` on 4-bit weights for up to `int4.max_rows` rows (none in a prompt step), on
-    their bfloat16 copy for more.
+    """`nn.Linear` on 4-bit weights for a step's rows of generated tokens, up to the kernel's
+    limit; on their bfloat16 copy for prompt tokens and for more rows (`kernel_rows`).
     Takes and returns float32 (the kernel rounds the input: see the module docstring); the
     bias stays float32 (added here, not by the copy)."""
 
@@ -296,7 +304,7 @@ class Int4Linear(torch.nn.Module):
         self.int4 = quantized.product()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         # Batches run on the weights the kernel uses (its rounded scales applied), rounded to
-        # bfloat16, so when a request's step grows past `int4.max_rows` its numbers move by
+        # bfloat16, so when a request's step grows past the kernel's limit its numbers move by
         # rounding: of the weights (to bfloat16; torch's kernel's are already) and, with the
         # native kernel, of its input (from 8 bits per group to bfloat16). A greedy answer
         # may then differ from the one a smaller step gives.
@@ -309,9 +317,13 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Kept to the fewest torch calls: this runs ~200 times per decoded token.
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.int4.max_rows:
+        on_kernel = kernel_rows(rows.shape[0], self.int4.native)
+        if on_kernel == 0:
             return self.batched(x) if self.bias is None else self.batched(x) + self.bias
-        out = self.int4(rows)
+        if on_kernel == rows.shape[0]:
+            out = self.int4(rows)
+        else:  # generated tokens' rows, then prompt tokens'
+            out = torch.cat([self.int4(rows[:on_kernel]), self.batched(rows[on_kernel:])])
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)

@@ -11,8 +11,9 @@ the same values in the same order, and leaves out what computes nothing:
 - products sharing an input (q/k/v, gate/up) share one bfloat16 copy of it in the bfloat16
   and 4-bit modes, instead of making one each (the copy is the same every time);
 - the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
-  workers/cpu_packed_linear.py, with the same rules: up to a 4-bit kernel's max_rows rows
-  4-bit, the bias added in float32 after the product), and so does the native float32 product
+  workers/cpu_packed_linear.py, with the same rules: a step's rows of generated tokens 4-bit up
+  to the kernel's limit, cpu_int4.kernel_rows, the bias added in float32 after the product), and
+  so does the native float32 product
   (workers/cpu_float32_linear.py).
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from workers import cpu_int4, native_decode
-from workers.cpu_float32_linear import Float32Linear
+from workers.cpu_float32_linear import Float32Linear, float32_product
 from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
@@ -189,7 +190,7 @@ class _ProductGroup:
     x [T, in] float32 -> each layer's output [T, out] float32. The products that take a
     bfloat16 input share one rounded copy of x. Where all are 4-bit, their codes are also
     laid side by side (each layer's codes become a view of that tensor; only the small scales
-    are copied), so a step of up to the kernel's max_rows rows makes one kernel call for the
+    are copied), so a step whose rows all take the kernel makes one kernel call for the
     group, whose columns are bitwise the separate calls' (the native kernel computes each tile of 16
     outputs on its own; torch's is checked on a probe at load: its columns are independent in
     tiles of 64 outputs, not in its narrower tail tiles)."""
@@ -208,9 +209,10 @@ class _ProductGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.shape[0]
-        rounds = self.rounds_always or (self.rounds_above and rows > cpu_int4.rows_limit(native=True))
+        rounds = self.rounds_always or (self.rounds_above and cpu_int4.kernel_rows(rows, native=True) < rows)
         rounded = x.to(torch.bfloat16) if rounds else None
-        if self.fused is not None and rows <= self.fused[0].max_rows:
+        # (A step whose rows split between the kernel and the copy calls the parts, each split.)
+        if self.fused is not None and cpu_int4.kernel_rows(rows, self.fused[0].native) == rows:
             product, bias, sizes = self.fused
             out = product(x, rounded)
             return (out if bias is None else out + bias).split(sizes, dim=1)
@@ -273,21 +275,26 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
     if kind == native_decode.NATIVE_FLOAT32_PRODUCT:
         kernel = torch.ops.antiphon_cpu.float32_product.default
 
-        def float32_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
+        def native_float32_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
             # As Float32Linear.forward computes it (the bias added in place), without the module call.
-            out = kernel(x, weight)
+            out = float32_product(kernel, x, weight)
             if bias is not None:
                 out += bias
             return out
-        return float32_product
+        return native_float32_product
     if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
         int4 = linear.int4
 
         def product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
-            if x.shape[0] <= int4.max_rows:
+            # As Int4Linear.forward splits the rows.
+            on_kernel = cpu_int4.kernel_rows(x.shape[0], int4.native)
+            if on_kernel == x.shape[0]:
                 out = int4(x, rounded)
-            else:
+            elif on_kernel == 0:
                 out = linear_pointwise(rounded, batched, None, "none", [], "").float()
+            else:
+                out = torch.cat([int4(x[:on_kernel], None if rounded is None else rounded[:on_kernel]),
+                                 linear_pointwise(rounded[on_kernel:], batched, None, "none", [], "").float()])
             return out if bias is None else out + bias
         return product
 

@@ -57,6 +57,11 @@ class RunnerRequest:
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
 
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether its next step computes prompt tokens (not only a generated one)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
 
 @dataclass(frozen=True)
 class KVCacheShape:
@@ -193,9 +198,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         request_ids = list(sched.num_scheduled_tokens)
-        if self.use_kernels:
-            # Single-token rows first: the decode kernel takes them, the prefill kernel the rest.
-            request_ids.sort(key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        # Single-token rows first (the decode kernels take them, the prefill kernel the rest),
+        # generated tokens' first among them (CPU 4-bit layers compute those rows on the kernel
+        # and the prompt tokens' after them on the copy: workers/cpu_int4.py, prompt_step).
+        request_ids.sort(key=lambda r: (sched.num_scheduled_tokens[r] != 1, self.requests[r].computes_prompt))
         states = [self.requests[r] for r in request_ids]
         batch = self._plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
         rows = [states[i] for i in batch.sample_rows]
@@ -256,7 +262,7 @@ class ModelRunner:
         attention, positions = self._attention_metadata(batch, states)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
-        with cpu_int4.prompt_step(batch.computes_prompt):
+        with cpu_int4.prompt_step(batch.prompt_rows_from):
             if self.lean is not None:
                 return self.lean.forward(input_ids, positions, logits_index, attention)
             input_ids = input_ids.unsqueeze(0)
@@ -307,7 +313,7 @@ class ModelRunner:
             block_tables=table,
             counts=counts,
             num_decodes=num_decodes,
-            computes_prompt=any(s.num_computed_tokens < s.num_prompt_tokens for s in states),
+            prompt_rows_from=_first_prompt_row(states),
             sample_rows=sample_rows.tolist(),
             logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
             starts=starts,
@@ -444,9 +450,10 @@ class PackedBatch:
     counts: np.ndarray  # [R] tokens scheduled per row
     # The leading rows that hold one token each.
     num_decodes: int
-    # Whether some row computes a prompt token (CPU 4-bit layers then take their bfloat16 copy:
-    # workers/cpu_int4.py, prompt_step).
-    computes_prompt: bool
+    # The first row that computes a prompt token, None if none does (CPU 4-bit layers compute the
+    # rows from there on on their bfloat16 copy: workers/cpu_int4.py, prompt_step). The rows
+    # before it hold one generated token each (_execute puts them first).
+    prompt_rows_from: int | None
     sample_rows: list[int]
     logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples
     # Per row: first and end position computed this step, and where its tokens start in the
@@ -454,6 +461,15 @@ class PackedBatch:
     starts: np.ndarray
     ends: np.ndarray
     query_offsets: np.ndarray
+
+
+def _first_prompt_row(states: list[RunnerRequest]) -> int | None:
+    """The first row computing a prompt token, None if none does; the rows before it each
+    compute one generated token (the order _execute gives them)."""
+    for row, state in enumerate(states):
+        if state.computes_prompt:
+            return row
+    return None
 
 
 def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
