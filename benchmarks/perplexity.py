@@ -91,7 +91,7 @@ def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict
     for mode in modes:
         model, tokenizer, kv_dtype = load_text_model(mode, kv_cache_dtype)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
-        # 4-bit layers run their bfloat16 copy above a kernel's max_rows rows (cpu_int4.py); scoring
+        # 4-bit layers run their bfloat16 copy above a kernel's row limit (cpu_int4.py); scoring
         # whole windows through the 4-bit kernel instead measures what decoding one stream uses.
         saved = cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS
         cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_NATIVE_INT4_ROWS = window

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.request import Request
-from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode
+from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode, step_rows
 from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers
 from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
@@ -535,30 +535,32 @@ def test_prompt_tokens_take_the_bfloat16_copy_at_every_row_count_and_generated_o
     torch.manual_seed(3)
     x = torch.randn(1, 3, 128)
     outside = layer(x)
-    with cpu_int4.prompt_step(0):
-        assert cpu_int4.kernel_rows(3, int4_kernel) == 0 and cpu_int4.in_prompt_step()
+    with step_rows.prompt_step(0, 3):
+        assert cpu_int4.kernel_rows(3, int4_kernel) == 0 and step_rows.in_prompt_step()
         inside = layer(x)
-        with cpu_int4.prompt_step(None):
+        with step_rows.prompt_step(None):
             assert cpu_int4.kernel_rows(3, int4_kernel) == 3
-        assert cpu_int4.in_prompt_step()
+        assert step_rows.in_prompt_step()
         # Per thread: another thread's forward is not in this step.
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(cpu_int4.in_prompt_step()))
+        worker = threading.Thread(target=lambda: seen.append(step_rows.in_prompt_step()))
         worker.start()
         worker.join()
         assert seen == [False]
-    assert not cpu_int4.in_prompt_step()
+    assert not step_rows.in_prompt_step()
     assert torch.equal(inside, layer.batched(x) + linear.bias)
     assert torch.equal(layer(x), outside)
     if int4_kernel:  # 8-bit inputs there, bfloat16 ones in a prompt step
         assert not torch.equal(inside, outside)
     # Two generated tokens' rows, then a prompt token's: each row as in a step of its kind.
-    with cpu_int4.prompt_step(2):
+    with step_rows.prompt_step(2, 3):
         split = layer(x)
-    assert torch.equal(split[:, :2], layer(x[:, :2])) and torch.equal(split[:, 2:], inside[:, 2:])
+        # A product of other rows than the step's tokens (an output layer's) takes the copy.
+        assert torch.equal(layer(x[:, :2]), layer.batched(x[:, :2]) + linear.bias)
+    assert torch.equal(split[:, :2], layer(x[:, :2])) and torch.equal(split[:, 2:], layer.batched(x[:, 2:]) + linear.bias)
     # More generated rows than the kernel takes: the copy takes them all.
     limit = cpu_int4.kernel_rows_limit(int4_kernel)
-    with cpu_int4.prompt_step(limit + 1):
+    with step_rows.prompt_step(limit + 1, limit + 2):
         assert cpu_int4.kernel_rows(limit + 2, int4_kernel) == 0
 
 
@@ -575,7 +577,7 @@ def first_token(llm: LLM, prompt: list[int]):
 ])
 def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama, int4_kernel, prompt_length,
                                                                       other_prompt):
-    """The 4-bit mode computes every prompt token from the bfloat16 copy (`prompt_step`: the
+    """The 4-bit mode computes every prompt token from the bfloat16 copy (step_rows.py: the
     row count alone would give any of these steps a 4-bit kernel), so a prompt computed whole
     and one whose head came from the prefix cache give the same answer and first
     log-probabilities."""
@@ -596,34 +598,3 @@ def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama
     assert cached == (16 if other_prompt == "shares the first block" else 32)
     assert tokens == whole_tokens
     torch.testing.assert_close(logprobs, whole_logprobs, rtol=0, atol=2e-5)
-
-
-def test_the_runner_marks_where_a_steps_prompt_tokens_begin(tiny_llama, monkeypatch):
-    """A step's rows of generated tokens come first, whatever order the scheduler gives (here
-    the reverse of its own), and the rows from the first one that computes a prompt token, of
-    one token or more, take the bfloat16 copy; steps of generated tokens alone have none."""
-    llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
-    core = llm.engine.core
-    marks = []
-    step = cpu_int4.prompt_step
-
-    def recording(prompt_rows_from):
-        marks.append(prompt_rows_from)
-        return step(prompt_rows_from)
-    monkeypatch.setattr(cpu_int4, "prompt_step", recording)
-    schedule = core.scheduler.schedule
-
-    def reversed_schedule():
-        sched = schedule()
-        sched.num_scheduled_tokens = dict(reversed(sched.num_scheduled_tokens.items()))
-        return sched
-    monkeypatch.setattr(core.scheduler, "schedule", reversed_schedule)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.add_request(Request("a", list(range(5, 25)), params))
-    core.step()  # a's prompt
-    core.step()  # a decodes alone
-    core.add_request(Request("b", list(range(30, 50)), params))
-    core.add_request(Request("c", list(range(60, 61)), params))  # a one-token prompt: one row, still a prompt
-    while core.has_unfinished_requests:
-        core.step()  # a decodes beside b's and c's prompts, then all decode, then b and c
-    assert marks == [0, None, 1, None, None, None]

@@ -1,15 +1,21 @@
 """A greedy answer does not depend on what else the server runs: a stream's tokens and
 log-probabilities are bitwise those it gets alone when other requests' prompts share its steps
 (the runner puts a step's generated tokens first; 4-bit and float32 products compute them as in
-a step of their own: workers/cpu_int4.py, prompt_step). benchmarks/greedy_under_load.py checks
-the same on the default model through the server."""
+a step of their own: workers/step_rows.py). benchmarks/greedy_under_load.py checks the same on
+the default model through the server."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+import torch
+
 from engine import LLM, SamplingParams
 from engine.request import Request
-from workers.cpu_float32_linear import ROWS_FOR_ONEDNN, Float32Linear
+from workers import native_decode, step_rows
+from workers.cpu_float32_linear import Float32Linear, rows_for_onednn
 from workers.cpu_int4 import Int4Linear
+from workers.model_runner import RunnerRequest, _leading_generated_rows
 
 
 def greedy_answer(core, prompt: list[int], others: dict[int, list[int]]) -> list:
@@ -55,5 +61,70 @@ def test_an_exact_mode_greedy_answer_does_not_depend_on_a_long_prompt_sharing_it
     the stream's row in a native product call of its own, not in oneDNN's."""
     llm = LLM(str(tiny_llama), quantization="none", num_kv_blocks=128, block_size=16)
     assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Float32Linear)
-    long_prompt = [5 + i % 190 for i in range(ROWS_FOR_ONEDNN + 40)]
-    assert_the_same_under_load(llm, [{2: long_prompt}, {1: long_prompt[:ROWS_FOR_ONEDNN], 3: list(range(100, 140))}])
+    long_prompt = [5 + i % 190 for i in range(rows_for_onednn() + 40)]
+    assert_the_same_under_load(llm, [{2: long_prompt}, {1: long_prompt[:rows_for_onednn()], 3: list(range(100, 140))}])
+
+
+def test_the_runner_marks_where_a_steps_prompt_tokens_begin(tiny_llama, monkeypatch):
+    """A step's rows of generated tokens come first, whatever order the scheduler gives (here
+    the reverse of its own), and the rows from the first one that computes a prompt token, of
+    one token or more, take the prompt's path; steps of generated tokens alone have none."""
+    llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
+    core = llm.engine.core
+    marks = []
+    step = step_rows.prompt_step
+
+    def recording(generated, tokens=0):
+        marks.append((generated, tokens))
+        return step(generated, tokens)
+    monkeypatch.setattr(step_rows, "prompt_step", recording)
+    schedule = core.scheduler.schedule
+
+    def reversed_schedule():
+        sched = schedule()
+        sched.num_scheduled_tokens = dict(reversed(sched.num_scheduled_tokens.items()))
+        return sched
+    monkeypatch.setattr(core.scheduler, "schedule", reversed_schedule)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request(Request("a", list(range(5, 25)), params))
+    core.step()  # a's prompt
+    core.step()  # a decodes alone
+    core.add_request(Request("b", list(range(30, 50)), params))
+    core.add_request(Request("c", list(range(60, 61)), params))  # a one-token prompt: one row, still a prompt
+    while core.has_unfinished_requests:
+        core.step()  # a decodes beside b's and c's prompts, then all decode, then b and c
+    assert [generated for generated, _ in marks] == [0, None, 1, None, None, None]
+    assert [tokens for generated, tokens in marks if generated is not None] == [20, 1 + 20 + 1]
+
+
+def runner_request(prompt: int, computed: int, total: int) -> RunnerRequest:
+    return RunnerRequest(token_ids=list(range(total)), num_prompt_tokens=prompt,
+                         sampling_params=SamplingParams(), block_ids=[], num_computed_tokens=computed,
+                         mm_placeholders=[])
+
+
+def test_only_leading_rows_of_one_generated_token_count_as_generated():
+    """A preempted request recomputed past its prompt is a row of several generated tokens: in a
+    step with prompt tokens it takes their path, and the count stays a count of tokens."""
+    decode, recomputed, prompt = runner_request(4, 9, 10), runner_request(4, 0, 30), runner_request(30, 0, 30)
+    recomputed.num_computed_tokens = 5  # its prompt cached, 24 generated tokens to compute
+    assert _leading_generated_rows([decode, recomputed, prompt], np.array([1, 24, 30])) == 1
+    assert _leading_generated_rows([decode, prompt], np.array([1, 30])) == 1
+    assert _leading_generated_rows([prompt], np.array([30])) == 0
+    assert _leading_generated_rows([decode, decode], np.array([1, 1])) is None
+    assert _leading_generated_rows([decode, recomputed], np.array([1, 24])) is None
+
+
+def test_the_float32_product_computes_a_long_steps_generated_rows_in_a_call_of_their_own():
+    if not native_decode.float32_product_available():
+        pytest.skip("the native float32 product needs AVX-512F and the native library")
+    linear = torch.nn.Linear(64, 48)
+    layer = Float32Linear(linear)
+    rows = rows_for_onednn() + 4
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+    whole = layer(x)  # one call: oneDNN's
+    with step_rows.prompt_step(2, rows):
+        split = layer(x)
+        assert step_rows.generated_rows(rows - 1) == 0  # not the step's rows: all the prompt's way
+    assert torch.equal(split[:2], layer(x[:2])) and torch.equal(split[2:], layer(x[2:]))
+    assert not torch.equal(split[:2], whole[:2])  # the two kernels round apart, so the test can tell

@@ -10,7 +10,7 @@ depend on its batch; steps of 256 rows or more (long prefill chunks, where oneDN
 copy kept beside the tiles would double exact mode's memory). In such a step the generated
 tokens (which lead it) are computed in a call of their own, as in a step of their own, so a
 greedy answer does not depend on another request's prompt sharing its steps
-(`float32_product`; cpu_int4.prompt_step).
+(`float32_product`; workers/step_rows.py).
 
 Its arithmetic is float32 products summed in another order than `F.linear`'s (chains of
 fused multiply-adds 16 lanes wide, then the lanes): differences at rounding level, as between
@@ -21,17 +21,21 @@ in this mode).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from workers.cpu_int4 import generated_rows
+from workers.step_rows import generated_rows, split_rows
 
 # The kernel's tile: 8 outputs, inputs in chunks of 16 (float32_product.cpp's layout).
 TILE_OUTPUTS = 8
 CHUNK_INPUTS = 16
 
 
-# Calls of this many rows or more take oneDNN's product (float32_product.h, kFloat32RowsForOneDNN).
-ROWS_FOR_ONEDNN = 256
+@functools.cache
+def rows_for_onednn() -> int:
+    """Calls of this many rows or more take oneDNN's product (float32_product.h)."""
+    return int(torch.ops.antiphon_cpu.float32_rows_for_onednn())
 
 
 def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
@@ -39,10 +43,8 @@ def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tenso
     call, except where the call would take oneDNN's product and this step's generated tokens
     are fewer than its rows: those are computed in a call of their own first."""
     rows = x.shape[0]
-    generated = generated_rows(rows)
-    if rows >= ROWS_FOR_ONEDNN and 0 < generated < rows:
-        return torch.cat([kernel(x[:generated], tiled), kernel(x[generated:], tiled)])
-    return kernel(x, tiled)
+    leading = generated_rows(rows) if rows >= rows_for_onednn() else rows
+    return split_rows(rows, leading, lambda part: kernel(x[part], tiled), lambda part: kernel(x[part], tiled))
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:

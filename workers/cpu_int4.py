@@ -19,7 +19,7 @@ while reading the weights dominates. Measured here over all 210 layers of the de
 (each read from memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x,
 12-16 rows even, 24 rows slower. The native kernel is faster at every row count measured
 (MAX_NATIVE_INT4_ROWS, below). Each layer also keeps a bfloat16 copy of the same (dequantized)
-weights, oneDNN-packed, for larger batches and for prompt tokens (`prompt_step`).
+weights, oneDNN-packed, for larger batches and for prompt tokens (workers/step_rows.py).
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
@@ -34,14 +34,13 @@ bf16's 2; the gain is in the bytes a decode step reads (0.5 per weight + scales)
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from workers.cpu_features import cpu_flags
 from workers.cpu_packed_linear import PackedLinear
+from workers.step_rows import generated_rows, split_rows
 
 GROUP_SIZE = 32
 MAX_CODE = 15
@@ -50,7 +49,7 @@ MAX_CODE = 15
 # 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
 # every row count (5x at 1 row, 2x at 32, 1.5-1.9x at 48-96, 1.1x at 512), but its 8-bit
 # inputs in a prompt's prefill moved the default model's greedy answers (its demo answer turned
-# French), so every step that computes prompt tokens takes the copy (below). Decode steps take
+# French), so prompt tokens take the copy (below). Decode steps take
 # the native kernel up to 512 rows (it was 32 until prompt steps had their own rule: 48 greedy
 # streams then decoded at ~610 tok/s on the copy, 900-1010 on the kernel), so in greedy steps a
 # decode row computes the same in a step of any size up to there. Except on CPUs with AMX,
@@ -58,45 +57,17 @@ MAX_CODE = 15
 # kernel at many rows: there it stays 32 (not measured; this host has no AMX).
 MAX_INT4_ROWS = 8
 MAX_NATIVE_INT4_ROWS = 32 if "amx_bf16" in cpu_flags() else 512
-# Prompt tokens take the bfloat16 copy at every row count (`prompt_step`, which the model runner
-# sets per step). A whole prompt of more than the kernel's rows (then 32) took the copy anyway,
-# but a prompt's tail after a prefix-cache hit, a step of a few rows, took the native kernel,
-# whose 8-bit inputs then moved the answer: on a fresh server the README's question was answered
-# "Paris" if asked first and French gibberish once another conversation had cached the system
-# prompt. So the tokens a prompt step computes take the copy whatever part of the prompt is
-# cached. (Not every cached token came from one: a follow-up turn's prompt holds the previous
-# answer, whose cached keys and values its decode steps computed in 4 bits, and a fresh cache
-# computes them from the copy.)
-# Generated tokens take the kernel in every step, a step that also computes prompt tokens
-# included: the runner puts their rows first and each product splits there (`kernel_rows`), so
-# a greedy answer does not depend on what else the server runs. When the copy took a whole
-# step's rows, a stream's tokens changed whenever another request's prompt arrived while it
-# decoded: 11 of 12 greedy 150-token answers of the default model differed under load from the
-# same requests alone (tests/test_cpu_int4.py pins it). Per thread, as a forward runs in the
-# thread that calls it (workers/paged_attention.py's step metadata likewise).
-class _Step(threading.local):
-    # The first row (of the step's tokens, in batch order) that computes a prompt token; the
-    # rows before it are generated tokens. None: no row does.
-    prompt_rows_from: int | None = None
-
-
-_step = _Step()
-
-
-@contextlib.contextmanager
-def prompt_step(prompt_rows_from: int | None):
-    """Within this block, 4-bit layers compute a step whose rows from `prompt_rows_from` on are
-    prompt tokens (None: none are): those rows take the bfloat16 copy."""
-    previous = _step.prompt_rows_from
-    _step.prompt_rows_from = prompt_rows_from
-    try:
-        yield
-    finally:
-        _step.prompt_rows_from = previous
-
-
-def in_prompt_step() -> bool:
-    return _step.prompt_rows_from is not None
+# Prompt tokens take the bfloat16 copy at every row count (workers/step_rows.py says which rows of
+# a step are prompt tokens). A whole prompt of more than the kernel's rows (then 32) took the
+# copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took the
+# native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
+# question was answered "Paris" if asked first and French gibberish once another conversation
+# had cached the system prompt. So the tokens a prompt step computes take the copy whatever part
+# of the prompt is cached. (Not every cached token came from one: a follow-up turn's prompt
+# holds the previous answer, whose cached keys and values its decode steps computed in 4 bits,
+# and a fresh cache computes them from the copy.) Generated tokens take the kernel in every
+# step, one that also computes another request's prompt included (step_rows.py: so that a
+# greedy answer does not depend on the server's load).
 
 
 def kernel_rows_limit(native: bool) -> int:
@@ -105,15 +76,10 @@ def kernel_rows_limit(native: bool) -> int:
     return MAX_NATIVE_INT4_ROWS if native else MAX_INT4_ROWS
 
 
-def generated_rows(rows: int) -> int:
-    """How many of a product's `rows` (a step's, in batch order) are generated tokens (they
-    lead): all of them in a step without prompt tokens."""
-    return rows if _step.prompt_rows_from is None else min(rows, _step.prompt_rows_from)
-
-
 def kernel_rows(rows: int, native: bool) -> int:
-    """How many of a product's `rows` a 4-bit kernel computes in this step: the generated
-    tokens' rows, if the kernel takes that many; the rest take the bfloat16 copy."""
+    """How many of a product's leading `rows` a 4-bit kernel computes in this step: the
+    generated tokens' (step_rows.generated_rows), if the kernel takes that many; the rest take
+    the bfloat16 copy."""
     generated = generated_rows(rows)
     return generated if generated <= kernel_rows_limit(native) else 0
 
@@ -317,13 +283,13 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Kept to the fewest torch calls: this runs ~200 times per decoded token.
         rows = x.reshape(-1, self.in_features)
-        on_kernel = kernel_rows(rows.shape[0], self.int4.native)
-        if on_kernel == 0:
-            return self.batched(x) if self.bias is None else self.batched(x) + self.bias
-        if on_kernel == rows.shape[0]:
+        count = rows.shape[0]
+        on_kernel = kernel_rows(count, self.int4.native)
+        if on_kernel == count:
             out = self.int4(rows)
-        else:  # generated tokens' rows, then prompt tokens'
-            out = torch.cat([self.int4(rows[:on_kernel]), self.batched(rows[on_kernel:])])
+        else:  # generated tokens' rows on the kernel, prompt tokens' (and too many) on the copy
+            out = split_rows(count, on_kernel, lambda part: self.int4(rows[part]),
+                             lambda part: self.batched(rows[part]))
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)

@@ -15,7 +15,7 @@ and benchmarks/perplexity.py):
   0.1% of "none" on the default model.
 - "int4": 4-bit weights in groups of 32 (GGUF's Q4_1 layout) for decode steps of up to 8
   rows (512 on the native kernel, 32 on CPUs with AMX), a bfloat16 copy for larger ones and for
-  steps that compute prompt tokens (cpu_int4.py). An eighth of float32's bytes: 3x
+  prompt tokens (cpu_int4.py, step_rows.py). An eighth of float32's bytes: 3x
   faster than bf16 per one-row layer here. Lossy for a checkpoint that was not 4-bit.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. Small models lose a lot (SmolLM2-135M:

@@ -36,6 +36,7 @@ from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
 from workers.cpu_packed_linear import PackedLinear
 from workers.fused_rms_norm import FusedRMSNorm
 from workers.paged_attention import PagedAttentionMetadata, attend
+from workers.step_rows import in_prompt_step, split_rows
 
 logger = logging.getLogger("antiphon")
 
@@ -96,7 +97,7 @@ class LeanDecoder:
             self._use_native()
         # (A prompt's last token alone is a one-row step too: it takes the Python forward, whose
         # 4-bit layers take their bfloat16 copy in a prompt step; the stack's take 4 bits.)
-        if self.native is not None and _one_decode_group(attention) and not cpu_int4.in_prompt_step():
+        if self.native is not None and _one_decode_group(attention) and not in_prompt_step():
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
             x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
@@ -287,14 +288,14 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
 
         def product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
             # As Int4Linear.forward splits the rows.
-            on_kernel = cpu_int4.kernel_rows(x.shape[0], int4.native)
-            if on_kernel == x.shape[0]:
+            rows = x.shape[0]
+            on_kernel = cpu_int4.kernel_rows(rows, int4.native)
+            if on_kernel == rows:
                 out = int4(x, rounded)
-            elif on_kernel == 0:
-                out = linear_pointwise(rounded, batched, None, "none", [], "").float()
             else:
-                out = torch.cat([int4(x[:on_kernel], None if rounded is None else rounded[:on_kernel]),
-                                 linear_pointwise(rounded[on_kernel:], batched, None, "none", [], "").float()])
+                out = split_rows(rows, on_kernel,
+                                 lambda part: int4(x[part], None if rounded is None else rounded[part]),
+                                 lambda part: linear_pointwise(rounded[part], batched, None, "none", [], "").float())
             return out if bias is None else out + bias
         return product
 

@@ -28,7 +28,7 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers import cpu_decode_attention, cpu_int4
+from workers import cpu_decode_attention, step_rows
 from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
@@ -199,8 +199,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         request_ids = list(sched.num_scheduled_tokens)
         # Single-token rows first (the decode kernels take them, the prefill kernel the rest),
-        # generated tokens' first among them (CPU 4-bit layers compute those rows on the kernel
-        # and the prompt tokens' after them on the copy: workers/cpu_int4.py, prompt_step).
+        # generated tokens' first among them (the fast CPU products compute those as in a step
+        # of generated tokens alone: workers/step_rows.py).
         request_ids.sort(key=lambda r: (sched.num_scheduled_tokens[r] != 1, self.requests[r].computes_prompt))
         states = [self.requests[r] for r in request_ids]
         batch = self._plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
@@ -262,7 +262,7 @@ class ModelRunner:
         attention, positions = self._attention_metadata(batch, states)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
-        with cpu_int4.prompt_step(batch.prompt_rows_from):
+        with step_rows.prompt_step(batch.leading_generated, len(batch.input_ids)):
             if self.lean is not None:
                 return self.lean.forward(input_ids, positions, logits_index, attention)
             input_ids = input_ids.unsqueeze(0)
@@ -313,7 +313,7 @@ class ModelRunner:
             block_tables=table,
             counts=counts,
             num_decodes=num_decodes,
-            prompt_rows_from=_first_prompt_row(states),
+            leading_generated=_leading_generated_rows(states, counts),
             sample_rows=sample_rows.tolist(),
             logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
             starts=starts,
@@ -450,10 +450,9 @@ class PackedBatch:
     counts: np.ndarray  # [R] tokens scheduled per row
     # The leading rows that hold one token each.
     num_decodes: int
-    # The first row that computes a prompt token, None if none does (CPU 4-bit layers compute the
-    # rows from there on on their bfloat16 copy: workers/cpu_int4.py, prompt_step). The rows
-    # before it hold one generated token each (_execute puts them first).
-    prompt_rows_from: int | None
+    # How many leading rows hold one generated token each; None if no row computes a prompt
+    # token (workers/step_rows.py, prompt_step).
+    leading_generated: int | None
     sample_rows: list[int]
     logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples
     # Per row: first and end position computed this step, and where its tokens start in the
@@ -463,13 +462,14 @@ class PackedBatch:
     query_offsets: np.ndarray
 
 
-def _first_prompt_row(states: list[RunnerRequest]) -> int | None:
-    """The first row computing a prompt token, None if none does; the rows before it each
-    compute one generated token (the order _execute gives them)."""
-    for row, state in enumerate(states):
-        if state.computes_prompt:
-            return row
-    return None
+def _leading_generated_rows(states: list[RunnerRequest], counts: np.ndarray) -> int | None:
+    """How many leading rows compute one generated token each (_execute puts them first); None
+    if no row computes a prompt token. (A row of several generated tokens, a preempted request
+    recomputed, is not counted: in a step with prompt tokens it goes their way.)"""
+    leading = 0
+    while leading < len(states) and counts[leading] == 1 and not states[leading].computes_prompt:
+        leading += 1
+    return leading if any(state.computes_prompt for state in states[leading:]) else None
 
 
 def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:

@@ -524,7 +524,7 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // The most rows a 4-bit kind takes (cpu_int4.Int4Product.max_rows); more take the batched copy.
+  // The most rows a 4-bit kind takes (cpu_int4.kernel_rows_limit); more take the batched copy.
   int64_t max_rows(int64_t kind) const { return kind == kNativeInt4 ? max_native_int4_rows_ : max_int4_rows_; }
 
   // A 4-bit product of up to max_rows rows.

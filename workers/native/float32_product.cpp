@@ -161,4 +161,6 @@ at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(antiphon_cpu, m) {
   m.def("float32_product_supported() -> bool", &float32_product_supported);
   m.def("float32_product(Tensor x, Tensor weight) -> Tensor", &float32_product);
+  // For the callers that compute some rows apart (workers/cpu_float32_linear.py).
+  m.def("float32_rows_for_onednn() -> int", []() -> int64_t { return kFloat32RowsForOneDNN; });
 }

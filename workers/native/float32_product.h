@@ -7,7 +7,7 @@
 bool float32_product_supported();
 
 // Products of this many rows or more take oneDNN's blocking; below it each row's result is the
-// same whatever its batch. (workers/cpu_float32_linear.py's ROWS_FOR_ONEDNN is this number.)
+// same whatever its batch. (The op float32_rows_for_onednn gives it to Python.)
 constexpr int64_t kFloat32RowsForOneDNN = 256;
 
 // x [rows, inputs] float32, weight in the tiled layout of float32_product.cpp -> [rows, outputs].
