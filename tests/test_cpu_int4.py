@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.request import Request
 from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode, step_rows
 from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu_linear import prepare_linear_layers

@@ -43,8 +43,10 @@ def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tenso
     call, except where the call would take oneDNN's product and this step's generated tokens
     are fewer than its rows: those are computed in a call of their own first."""
     rows = x.shape[0]
-    leading = generated_rows(rows) if rows >= rows_for_onednn() else rows
-    return split_rows(rows, leading, lambda part: kernel(x[part], tiled), lambda part: kernel(x[part], tiled))
+    if rows < rows_for_onednn():  # every row on the native product, whatever its batch
+        return kernel(x, tiled)
+    return split_rows(rows, generated_rows(rows), lambda part: kernel(x[part], tiled),
+                      lambda part: kernel(x[part], tiled))
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:
