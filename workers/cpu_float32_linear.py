@@ -45,8 +45,7 @@ def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tenso
     rows = x.shape[0]
     if rows < rows_for_onednn():  # every row on the native product, whatever its batch
         return kernel(x, tiled)
-    return split_rows(rows, generated_rows(rows), lambda part: kernel(x[part], tiled),
-                      lambda part: kernel(x[part], tiled))
+    return split_rows(rows, generated_rows(rows), lambda part: kernel(x[part], tiled), lambda: kernel(x, tiled))
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:

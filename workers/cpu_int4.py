@@ -288,8 +288,7 @@ class Int4Linear(torch.nn.Module):
         if on_kernel == count:
             out = self.int4(rows)
         else:  # generated tokens' rows on the kernel, prompt tokens' (and too many) on the copy
-            out = split_rows(count, on_kernel, lambda part: self.int4(rows[part]),
-                             lambda part: self.batched(rows[part]))
+            out = split_rows(count, on_kernel, lambda part: self.int4(rows[part]), lambda: self.batched(rows))
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)

@@ -295,7 +295,7 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
             else:
                 out = split_rows(rows, on_kernel,
                                  lambda part: int4(x[part], None if rounded is None else rounded[part]),
-                                 lambda part: linear_pointwise(rounded[part], batched, None, "none", [], "").float())
+                                 lambda: linear_pointwise(rounded, batched, None, "none", [], "").float())
             return out if bias is None else out + bias
         return product
 

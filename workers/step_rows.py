@@ -61,12 +61,15 @@ def generated_rows(rows: int) -> int:
     return _step.generated if rows == _step.tokens else 0
 
 
-def split_rows(rows: int, leading: int, first: Callable[[slice], torch.Tensor],
-               rest: Callable[[slice], torch.Tensor]) -> torch.Tensor:
-    """`first` of the leading rows and `rest` of the others, as one [rows, ...] tensor (each
-    takes the slice of rows it computes)."""
+def split_rows(rows: int, leading: int, leading_way: Callable[[slice], torch.Tensor],
+               prompt_way: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A product's [rows, ...] output: the `leading` rows computed by `leading_way` (given their
+    slice), the others by `prompt_way`. That computes all the rows and the leading ones are then
+    overwritten: a step's prompt rows are its bulk, and joining two outputs with torch.cat
+    copied them (~15 ms more in a default-model step of 300 prompt tokens and one stream)."""
     if leading >= rows:
-        return first(slice(None))
-    if leading <= 0:
-        return rest(slice(None))
-    return torch.cat([first(slice(0, leading)), rest(slice(leading, None))])
+        return leading_way(slice(None))
+    out = prompt_way()
+    if leading > 0:
+        out[:leading] = leading_way(slice(0, leading))
+    return out
