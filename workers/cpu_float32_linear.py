@@ -41,7 +41,8 @@ def rows_for_onednn() -> int:
 def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     """x [rows, K] float32 times a tiled weight through `kernel` (the native product): in one
     call, except where the call would take oneDNN's product and this step's generated tokens
-    are fewer than its rows: those are computed in a call of their own first."""
+    are fewer than its rows: those are then computed again in a native call of their own and
+    written over oneDNN's results (step_rows.split_rows)."""
     rows = x.shape[0]
     if rows < rows_for_onednn():  # every row on the native product, whatever its batch
         return kernel(x, tiled)
