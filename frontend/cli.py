@@ -114,8 +114,21 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", action="append", default=None, dest="api_keys",
                        help="require this key (repeatable: one per tenant; default: $ANTIPHON_API_KEY, "
                             "comma-separated, or none)")
-    group.add_argument("--cache-salt-per-key", action="store_true",
-                       help="give each API key its own prefix-cache salt: tenants never share KV blocks")
+    salt = group.add_mutually_exclusive_group()
+    salt.add_argument("--cache-salt-per-key", action="store_const", const=True, default=None,
+                      dest="cache_salt_per_key",
+                      help="give each API key its own prefix- and encoder-cache salt even with one key (the default "
+                           "with two or more keys: tenants never share KV blocks or image embeddings)")
+    salt.add_argument("--share-cache-across-keys", action="store_const", const=False, dest="cache_salt_per_key",
+                      help="let tenants share cached prefixes and image embeddings on purpose (and so learn from "
+                           "each other's cache-hit timing)")
+    group.add_argument("--public-metrics", action="store_true",
+                       help="serve /metrics without an API key when keys are configured")
+    group.add_argument("--share-per-tenant", type=float, default=0.5,
+                       help="fraction of the grammar-compile, transcription and spoken-answer caps one API key may "
+                            "hold (with two or more keys; default 0.5)")
+    group.add_argument("--share-per-client", type=float, default=0.25,
+                       help="fraction of those caps one client address may hold (default 0.25)")
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="browser Origin allowed on the WebSocket besides the server's own (repeatable; * = any)")
     group.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
@@ -240,7 +253,9 @@ def _serve(args) -> int:
             tts_voice=args.tts_voice)
         server_config = ServerConfig(
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),
-            cache_salt_per_key=args.cache_salt_per_key, allowed_origins=args.allowed_origins,
+            cache_salt_per_key=args.cache_salt_per_key, public_metrics=args.public_metrics,
+            share_per_tenant=args.share_per_tenant, share_per_client=args.share_per_client,
+            allowed_origins=args.allowed_origins,
             allowed_hosts=args.allowed_hosts,
             max_message_bytes=_message_bytes(args.max_message_bytes, args.model, args.max_image_bytes),
             max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,

@@ -9,6 +9,7 @@ import time
 from urllib.parse import urlsplit
 
 from frontend.server_config import ServerConfig
+from frontend.tenancy import Requester, tenant_of
 
 API_KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 
@@ -35,9 +36,16 @@ def key_accepted(config: ServerConfig, presented: str | None) -> bool:
 
 
 def cache_salt(config: ServerConfig, presented: str | None) -> str | None:
-    """Each tenant's own prefix-cache salt (with --cache-salt-per-key); never the key itself."""
-    key = matching_key(config, presented) if config.cache_salt_per_key else None
+    """Each tenant's own prefix- and encoder-cache salt (by default with two or more keys);
+    never the key itself."""
+    key = matching_key(config, presented) if config.salts_per_key() else None
     return None if key is None else hashlib.sha256(b"antiphon-cache-salt\0" + key.encode()).hexdigest()[:32]
+
+
+def requester_of(config: ServerConfig, presented: str | None, scope) -> Requester:
+    """Who sends this request: the tenant counts only when the server has several keys."""
+    tenant = tenant_of(matching_key(config, presented)) if config.counts_tenants() else ""
+    return Requester(tenant=tenant, client=client_address(scope))
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -63,9 +63,17 @@ class ServerConfig:
     # Host headers served (DNS rebinding: a page on any name can resolve to 127.0.0.1).
     # Empty: loopback names when bound to loopback, any host otherwise; "*" allows any.
     allowed_hosts: list[str] = field(default_factory=list)
-    # With several API keys (tenants), give each its own prefix-cache salt so tenants never
-    # share KV blocks or learn from each other's cache-hit timing.
-    cache_salt_per_key: bool = False
+    # Each API key (tenant) its own prefix-cache and encoder-cache salt, so tenants never share
+    # KV blocks or encoder outputs nor learn from each other's cache-hit timing. None: on when
+    # more than one key is configured; False shares the caches across keys on purpose.
+    cache_salt_per_key: bool | None = None
+    # /metrics wants an API key when keys are configured, unless this makes it public.
+    public_metrics: bool = False
+    # Shares of grammar compiles, transcriptions and spoken answers one tenant (API key, when
+    # more than one is configured) and one client address may hold, as fractions of the
+    # server-wide caps (at least one each), so that no client takes them all.
+    share_per_tenant: float = 0.5
+    share_per_client: float = 0.25
     # A WebSocket with no message and no active response for this long is closed.
     idle_timeout_s: float = 600.0
     # A worker that crashes or hangs is restarted at most this many times within
@@ -124,10 +132,22 @@ class ServerConfig:
         # An idle worker beats once a second: a shorter timeout would kill healthy workers.
         if self.worker_timeout_s <= 2.0:
             raise ValueError("worker_timeout_s must be > 2 (workers send a heartbeat every second)")
+        for name in ("share_per_tenant", "share_per_client"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
         if self.max_worker_restarts < 0:
             raise ValueError("max_worker_restarts must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
+
+    def salts_per_key(self) -> bool:
+        if self.cache_salt_per_key is None:
+            return len(self.api_keys) > 1
+        return self.cache_salt_per_key
+
+    def counts_tenants(self) -> bool:
+        """Whether per-tenant shares apply: with one key (or none) every client is one tenant."""
+        return len(self.api_keys) > 1
 
     def served_hosts(self) -> set[str] | None:
         """Host names the server answers to; None means any."""
