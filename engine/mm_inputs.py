@@ -8,6 +8,8 @@ the same image sent by many requests is encoded once and shares prefix-cache blo
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,3 +26,16 @@ class ProcessedImage:
     # The family's layout of the embeddings (Qwen2-VL: (t, h, w) patches); () if none.
     grid: tuple[int, ...] = ()
     modality: str = "image"
+
+
+def salted_hash(mm_hash: str, cache_salt: str) -> str:
+    """An item's name within one tenant's caches: with a cache salt, the same image sent by two
+    tenants is two entries (encoder cache, the front end's mirror of it, prefix-cache keys), so
+    neither can learn from the other's hit timing what the other sent."""
+    return hashlib.sha256(f"{cache_salt}\0{mm_hash}".encode()).hexdigest()
+
+
+def salt_items(placeholders: list, items: list[ProcessedImage], cache_salt: str) -> tuple[list, list[ProcessedImage]]:
+    """The placeholders and items of one prompt, renamed for `cache_salt`'s tenant."""
+    return ([dataclasses.replace(p, mm_hash=salted_hash(p.mm_hash, cache_salt)) for p in placeholders],
+            [dataclasses.replace(item, mm_hash=salted_hash(item.mm_hash, cache_salt)) for item in items])

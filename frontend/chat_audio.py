@@ -8,35 +8,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import itertools
-import time
-from collections import OrderedDict
 
 from engine.audio_formats import read_wav, resample, sample_rate_of, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.edge_decoding import InvalidInput
 from frontend.speech_recognition import transcribe
+from frontend.spoken_answers import SpokenAnswerStore
+from frontend.tenancy import ANONYMOUS, Requester
 
 # Spoken answers come as OpenAI's pcm16: 24 kHz.
 SPEECH_RATE = sample_rate_of("audio/pcm")
-_ids = itertools.count()
-# Transcripts of spoken answers by audio id, for a client that sends an answer back as
-# {"role": "assistant", "audio": {"id": ...}} (the OpenAI multi-turn pattern). Bounded.
-TRANSCRIPTS_REMEMBERED = 4096
-_transcripts: OrderedDict[str, str] = OrderedDict()
 
 
-def remember_transcript(audio_id: str, transcript: str) -> None:
-    _transcripts[audio_id] = transcript
-    while len(_transcripts) > TRANSCRIPTS_REMEMBERED:
-        _transcripts.popitem(last=False)
-
-
-def transcript_of(audio_id: str) -> str | None:
-    return _transcripts.get(audio_id)
-
-
-async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, max_seconds: float) -> None:
+async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, max_seconds: float,
+                                 requester: Requester = ANONYMOUS) -> None:
     """Replaces every input_audio part of `messages` by a text part holding its transcript."""
     for message in messages:
         content = message["content"]
@@ -49,7 +34,7 @@ async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, m
                 raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality",
                                    "messages.content")
             samples = await asyncio.to_thread(_decode_wav, part["input_audio"], max_seconds)
-            text, heard = await transcribe(client, samples)
+            text, heard = await transcribe(client, samples, requester)
             if not heard:
                 raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
                                    "messages.content")
@@ -72,17 +57,24 @@ def _decode_wav(audio: dict, max_seconds: float):
 
 class SpokenAnswer:
     """One chat answer spoken by the talker: `say` its text as it comes, `ready` / `rest` its
-    audio as 16-bit PCM at 24 kHz, `close` when done (stops the talker if it is not)."""
+    audio as 16-bit PCM at 24 kHz, `close` when done (stops the talker if it is not). Once
+    the talker has spoken all of it, its transcript is remembered under its id for its tenant."""
 
-    def __init__(self, client, request_id: str, audio_format: str) -> None:
+    def __init__(self, client, request_id: str, audio_format: str, store: SpokenAnswerStore,
+                 requester: Requester) -> None:
         self.client = client
         self.request_id = request_id
         self.audio_format = audio_format
-        self.id = f"audio_{next(_ids)}_{int(time.time())}"
-        self.queue = client.open_speech(request_id)  # raises EngineUnavailable / VoiceBusy
+        self.id = store.new_id()
+        self.expires_at = store.expires_at()
+        self._store = store
+        self._tenant = requester.tenant
+        self._said: list[str] = []
+        self.queue = client.open_speech(request_id, requester)  # raises EngineUnavailable / VoiceBusy
         self.ended = False
 
     async def say(self, text: str, final: bool = False) -> None:
+        self._said.append(text)
         await self.client.speak(self.request_id, text, final=final, sample_rate=SPEECH_RATE)
 
     def ready(self) -> list[bytes]:
@@ -109,11 +101,13 @@ class SpokenAnswer:
             self.ended = True
             raise SpeechFailed(header.error)
         self.ended = header.final
+        if header.final:
+            self._store.remember(self._tenant, self.id, "".join(self._said), self.expires_at)
         return [pcm] if pcm else []
 
     def message_audio(self, pcm: bytes, transcript: str) -> dict:
         data = wav_header(SPEECH_RATE, len(pcm)) + pcm if self.audio_format == "wav" else pcm
-        return {"id": self.id, "data": base64.b64encode(data).decode(), "expires_at": int(time.time()) + 3600,
+        return {"id": self.id, "data": base64.b64encode(data).decode(), "expires_at": self.expires_at,
                 "transcript": transcript}
 
     def close(self) -> None:

@@ -59,6 +59,10 @@ class ChatContentPart(msgspec.Struct, forbid_unknown_fields=True):
                            "unsupported_content_type", "messages.content")
 
 
+_UNKNOWN_AUDIO_ID = ("no spoken answer with audio id {!r} is known to this API key, or it has expired (give its "
+                     "transcript as content)")
+
+
 class AssistantAudio(msgspec.Struct, forbid_unknown_fields=True):
     """A spoken answer sent back in the conversation: its text is its transcript."""
 
@@ -90,13 +94,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     def content_for_template(self) -> str | list[dict]:
         """A string, or the parts as dicts (text and images); bad parts are a clear error."""
         if self.content is None and self.audio is not None and self.role == "assistant":
-            from frontend.chat_audio import transcript_of
-
-            transcript = self.audio.transcript or transcript_of(self.audio.id)
-            if transcript is None:
-                raise InvalidInput(f"no spoken answer with audio id {self.audio.id!r} is known here (give its "
-                                   "transcript as content)", "audio_expired", "messages.audio")
-            return transcript
+            if self.audio.transcript is None:
+                raise InvalidInput(_UNKNOWN_AUDIO_ID.format(self.audio.id), "audio_expired", "messages.audio")
+            return self.audio.transcript
         if self.content is None and (self.tool_calls or self.refusal is not None):
             return self.refusal or ""
         if self.content is None:
@@ -178,6 +178,18 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True, forbid_unknown_fi
             raise InvalidInput('modalities with "audio" need "audio": {"voice": ..., "format": "wav" or "pcm16"}',
                                "invalid_value", "audio")
         return self.audio.format
+
+    def recall_spoken_answers(self, store, tenant: str) -> None:
+        """Puts the transcript of every spoken answer sent back by id (and without content) in
+        its place. An id this tenant's requests did not get, or one past its expiry, is refused
+        with the same error whether or not it exists: ids are not to be probed."""
+        for message in self.messages or ():
+            if message.content is None and message.audio is not None and message.audio.transcript is None:
+                transcript = store.transcript_of(tenant, message.audio.id)
+                if transcript is None:
+                    raise InvalidInput(_UNKNOWN_AUDIO_ID.format(message.audio.id), "audio_expired",
+                                       "messages.audio")
+                message.audio.transcript = transcript
 
     def conversation(self) -> list[dict]:
         if not self.messages:

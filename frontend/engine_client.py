@@ -45,6 +45,7 @@ from engine import protocol
 from engine.array_frames import item_frames
 from engine.config import EngineConfig
 from frontend.restart_budget import RestartBudget
+from frontend.tenancy import ANONYMOUS, FairShare, Requester, ShareExhausted, ShareSlot, share_of
 
 logger = logging.getLogger("antiphon.frontend")
 
@@ -67,7 +68,7 @@ class VoiceBusy(EngineUnavailable):
 class EngineClient:
     def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window_s: float = 600.0,
                  worker_timeout_s: float = 30.0, on_fatal=None, max_transcriptions: int = 16,
-                 max_spoken_answers: int = 16) -> None:
+                 max_spoken_answers: int = 16, share_per_tenant: float = 1.0, share_per_client: float = 1.0) -> None:
         # An idle worker reports every HEARTBEAT_INTERVAL_S; a timeout near that would kill
         # healthy workers for a late beat.
         if worker_timeout_s <= 2 * protocol.HEARTBEAT_INTERVAL_S:
@@ -75,9 +76,13 @@ class EngineClient:
         self.config = config
         self.worker_timeout_s = worker_timeout_s
         # One encoder and one talker serve every client: past these, voice work is refused
-        # (429) rather than queued behind a flood.
-        self.max_transcriptions = max_transcriptions
-        self.max_spoken_answers = max_spoken_answers
+        # (429) rather than queued behind a flood, and no tenant or client may hold them all.
+        self.transcriptions = FairShare("clips being recognized", "--max-transcriptions", max_transcriptions,
+                                        share_of(max_transcriptions, share_per_tenant),
+                                        share_of(max_transcriptions, share_per_client))
+        self.spoken_answers = FairShare("answers being spoken", "--max-spoken-answers", max_spoken_answers,
+                                        share_of(max_spoken_answers, share_per_tenant),
+                                        share_of(max_spoken_answers, share_per_client))
         self.on_fatal = on_fatal
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
         self.context = zmq.asyncio.Context()
@@ -118,6 +123,7 @@ class EngineClient:
         # Voice: clips waiting for their transcript, and answers being spoken (their audio).
         self._transcripts: dict[str, asyncio.Future] = {}
         self.speech_queues: dict[str, asyncio.Queue] = {}
+        self._speech_slots: dict[str, ShareSlot] = {}
         self.voice_status = "ready" if config.voice else "voice is off (--no-voice)"
         self.from_talker = None
         if config.voice:
@@ -127,6 +133,7 @@ class EngineClient:
         # Why a worker the watchdog killed is gone (its exit code alone would say "crashed").
         self._lost_reasons: dict[str, str] = {}
         self._failed = False
+        self._started = False
         self._pending_aborts: list[str] = []
         self._aborts_wanted = asyncio.Event()
         self._ready_events: dict[str, asyncio.Event] = {}
@@ -155,6 +162,7 @@ class EngineClient:
             await self._spawn("decoder")
         else:
             await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
+        self._started = True
         if not self._failed:
             self.status = "ready"
 
@@ -304,6 +312,11 @@ class EngineClient:
         return self.status == "ready" and not self._failed
 
     @property
+    def serves_text(self) -> bool:
+        """Whether a text-only request can run now: every worker came up once, the decoder runs."""
+        return self._started and not self._failed and "decoder" in self._running
+
+    @property
     def num_registered(self) -> int:
         """Requests with a queue: sent to the decoder and neither finished nor released."""
         return len(self.queues)
@@ -319,12 +332,12 @@ class EngineClient:
         encoder first (one per placeholder of the request)."""
         # Encode before registering: a request that cannot be encoded leaves nothing behind.
         data = protocol.encode(request)
-        if not self.healthy:
+        # Text needs the decoder alone: a request without items goes on while the encoder
+        # (or the talker) restarts; one with items waits for nothing and is refused.
+        if not self.serves_text or (items and "encoder" not in self._running):
             raise EngineUnavailable(f"engine unavailable: {self.status}")
         if request.request_id in self.queues:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        if items and "encoder" not in self._running:
-            raise EngineUnavailable(f"engine unavailable: {self.status}")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
         if on_finished is not None:
@@ -421,16 +434,15 @@ class EngineClient:
     def voice_ready(self) -> bool:
         return self.config.voice and "talker" in self._running and not self._failed
 
-    async def transcribe(self, samples) -> protocol.AudioTranscript:
+    async def transcribe(self, samples, requester: Requester = ANONYMOUS) -> protocol.AudioTranscript:
         """The encoder's transcript of a clip (float32 mono samples at 16 kHz); raises
-        EngineUnavailable when voice is off or the encoder is gone or never answers."""
+        EngineUnavailable when voice is off or the encoder is gone or never answers, VoiceBusy
+        when the server, or this requester's share of it, recognizes as many clips as it may."""
         import numpy as np
 
         if not self.config.voice:
             raise EngineUnavailable("voice is off on this server (--no-voice)")
-        if len(self._transcripts) >= self.max_transcriptions:
-            raise VoiceBusy(f"{self.max_transcriptions} clips are being recognized (--max-transcriptions); "
-                            "try again shortly")
+        slot = _voice_slot(self.transcriptions, requester)
         request_id = f"clip-{next(self._clip_ids)}"
         future = asyncio.get_running_loop().create_future()
         self._transcripts[request_id] = future
@@ -442,20 +454,26 @@ class EngineClient:
             raise EngineUnavailable(f"no transcript within {TRANSCRIBE_TIMEOUT_S:g} s") from None
         finally:
             self._transcripts.pop(request_id, None)
+            slot.release()
 
-    def open_speech(self, request_id: str) -> asyncio.Queue:
+    def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
         """A queue that receives the answer's SpeechAudio messages as (header, pcm bytes),
         the last with `final` set. Call `speak` to feed it text; `cancel_speech` to stop."""
         if not self.voice_ready:
             raise EngineUnavailable(f"voice unavailable: {self.voice_status}")
         if request_id in self.speech_queues:
             raise ValueError(f"speech {request_id!r} is already in flight")
-        if len(self.speech_queues) >= self.max_spoken_answers:
-            raise VoiceBusy(f"{self.max_spoken_answers} answers are being spoken (--max-spoken-answers); "
-                            "try again shortly")
+        self._speech_slots[request_id] = _voice_slot(self.spoken_answers, requester)
         queue: asyncio.Queue = asyncio.Queue()
         self.speech_queues[request_id] = queue
         return queue
+
+    def _end_speech(self, request_id: str) -> asyncio.Queue | None:
+        """Forget an answer's audio queue and free its share of the talker; None if it had ended."""
+        slot = self._speech_slots.pop(request_id, None)
+        if slot is not None:
+            slot.release()
+        return self.speech_queues.pop(request_id, None)
 
     async def speak(self, request_id: str, text: str, *, sample_rate: int, final: bool = False,
                     speed: float = 1.0) -> None:
@@ -467,7 +485,7 @@ class EngineClient:
 
     def cancel_speech(self, request_id: str) -> None:
         """Stop speaking an answer (barge-in, a client gone); idempotent and synchronous."""
-        if self.speech_queues.pop(request_id, None) is None or "talker" not in self._running:
+        if self._end_speech(request_id) is None or "talker" not in self._running:
             return
         task = asyncio.ensure_future(self._send_quietly(
             "talker", protocol.encode(protocol.CancelSpeech([request_id]))))
@@ -488,13 +506,12 @@ class EngineClient:
                 continue  # cancelled: the talker has been told
             queue.put_nowait((message, frames[1].bytes if len(frames) > 1 else b""))
             if message.final:
-                del self.speech_queues[message.request_id]
+                self._end_speech(message.request_id)
 
     def _fail_speech(self, reason: str) -> None:
-        for request_id, queue in self.speech_queues.items():
-            queue.put_nowait((protocol.SpeechAudio(request_id=request_id, sample_rate=0, final=True,
-                                                   error=reason), b""))
-        self.speech_queues.clear()
+        for request_id in list(self.speech_queues):
+            self._end_speech(request_id).put_nowait((protocol.SpeechAudio(
+                request_id=request_id, sample_rate=0, final=True, error=reason), b""))
 
     def _fail_transcripts(self, reason: str) -> None:
         for future in self._transcripts.values():
@@ -601,3 +618,10 @@ class EngineClient:
             self.processes[worker].kill()
         except ProcessLookupError:
             pass
+
+
+def _voice_slot(share: FairShare, requester: Requester) -> ShareSlot:
+    try:
+        return share.take(requester)
+    except ShareExhausted as exc:
+        raise VoiceBusy(str(exc)) from None

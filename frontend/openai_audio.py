@@ -25,7 +25,9 @@ from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.chat_audio import SPEECH_RATE
 from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.limits import bearer_token, requester_of
 from frontend.speech_recognition import recognized_segments
+from frontend.tenancy import Requester
 from frontend.openai_http import body_or_error, error_response
 
 logger = logging.getLogger("antiphon.frontend")
@@ -68,11 +70,12 @@ class AudioEndpoints:
         except AudioRequestError as exc:
             return error_response(exc.status, str(exc), exc.code, exc.param)
         duration = len(samples) / RECOGNIZER_RATE
+        requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
         if options["stream"]:
-            return StreamingResponse(self._stream_transcript(samples, duration),
+            return StreamingResponse(self._stream_transcript(samples, duration, requester),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            segments = [segment async for segment in recognized_segments(self.state.client, samples)]
+            segments = [segment async for segment in recognized_segments(self.state.client, samples, requester)]
         except VoiceBusy as exc:
             return error_response(429, str(exc), "voice_busy", error_type="rate_limit_error",
                                   headers={"Retry-After": "1"})
@@ -142,16 +145,17 @@ class AudioEndpoints:
                                     "(--max-audio-seconds)", "file", "audio_too_long")
         return resample(samples, rate, RECOGNIZER_RATE)
 
-    async def _stream_transcript(self, samples, duration: float):
+    async def _stream_transcript(self, samples, duration: float, requester: Requester):
         texts = []
         try:
-            async for segment in recognized_segments(self.state.client, samples):
+            async for segment in recognized_segments(self.state.client, samples, requester):
                 if segment["text"]:
                     delta = (" " if texts else "") + segment["text"]
                     texts.append(segment["text"])
                     yield _event({"type": "transcript.text.delta", "delta": delta})
         except EngineUnavailable as exc:
-            yield _event({"type": "error", "error": {"message": str(exc), "code": "engine_unavailable"}})
+            code = "voice_busy" if isinstance(exc, VoiceBusy) else "engine_unavailable"
+            yield _event({"type": "error", "error": {"message": str(exc), "code": code}})
             return
         yield _event({"type": "transcript.text.done", "text": " ".join(texts),
                       "usage": {"type": "duration", "seconds": round(duration, 3)}})
@@ -170,7 +174,8 @@ class AudioEndpoints:
         client = self.state.client
         request_id = f"speech-{next(self._ids)}"
         try:
-            queue = client.open_speech(request_id)
+            queue = client.open_speech(request_id, requester_of(config, bearer_token(request.headers.get(
+                "authorization")), request.scope))
             await client.speak(request_id, options["input"], final=True, sample_rate=SPEECH_RATE,
                                speed=options["speed"])
             # Wait for the first piece before answering: a failure then is still a clean 503.

@@ -10,13 +10,15 @@ import numpy as np
 
 from engine.audio_windows import NO_SPEECH_THRESHOLD, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S, recognition_windows
 from frontend.engine_client import EngineUnavailable
+from frontend.tenancy import ANONYMOUS, Requester
 
 
-async def recognized_segments(client, samples16k: np.ndarray) -> AsyncIterator[dict]:
+async def recognized_segments(client, samples16k: np.ndarray,
+                              requester: Requester = ANONYMOUS) -> AsyncIterator[dict]:
     """One verbose_json-style segment per window: id, start, end (s), text, no_speech_prob."""
     windows = recognition_windows(samples16k, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S)
     for index, (start, end) in enumerate(windows):
-        transcript = await client.transcribe(samples16k[start:end])
+        transcript = await client.transcribe(samples16k[start:end], requester)
         if transcript.error is not None:
             raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
         # `not <=`: a NaN probability counts as silence.
@@ -26,7 +28,8 @@ async def recognized_segments(client, samples16k: np.ndarray) -> AsyncIterator[d
                "no_speech_prob": round(float(np.nan_to_num(transcript.no_speech_probability, nan=1.0)), 4)}
 
 
-async def transcribe(client, samples16k: np.ndarray) -> tuple[str, bool]:
+async def transcribe(client, samples16k: np.ndarray, requester: Requester = ANONYMOUS) -> tuple[str, bool]:
     """(the whole transcript, whether any speech was heard)."""
-    texts = [segment["text"] async for segment in recognized_segments(client, samples16k) if segment["text"]]
+    texts = [segment["text"] async for segment in recognized_segments(client, samples16k, requester)
+             if segment["text"]]
     return " ".join(texts), bool(texts)
