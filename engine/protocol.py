@@ -32,7 +32,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-DecoderInput = EngineRequest | AbortRequests | Shutdown
+class EncoderLost(msgspec.Struct, tag="encoder_lost"):
+    """The encoder process died: what the decoder asked of it will never come."""
+
+    reason: str
+
+
+DecoderInput = EngineRequest | AbortRequests | Shutdown | EncoderLost
 
 
 class ItemHeader(msgspec.Struct, array_like=True):

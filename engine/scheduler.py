@@ -146,6 +146,12 @@ class Scheduler:
             self._fail_users(mm_hash, f"the encoder delivered embeddings of shape "
                                       f"{tuple(getattr(embeddings, 'shape', ()))} for an item of another length")
 
+    def fail_items_in_flight(self, message: str) -> None:
+        """The encoder asked for these items is gone: their requests fail now rather than at
+        the timeout, and a later request with the same item asks its successor afresh."""
+        for mm_hash in [h for h, entry in self.embeddings.entries.items() if not entry.available]:
+            self._fail_users(mm_hash, message)
+
     def _fail_users(self, mm_hash: str, message: str) -> None:
         for request_id in self.embeddings.users_of(mm_hash):
             request = self.requests.get(request_id)

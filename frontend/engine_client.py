@@ -264,6 +264,10 @@ class EngineClient:
             self._with_items.clear()
             self.encoder_cache_mirror.clear()
             self._fail_transcripts(reason)
+            if "decoder" in self._running:
+                # Before any request that reaches the encoder's successor: the decoder stops
+                # waiting for items asked of the dead one (they would time out one by one).
+                self._send_in_background("decoder", protocol.encode(protocol.EncoderLost(reason)))
         self.to_workers[worker].close(linger=0)
 
     def _fail(self, reason: str) -> None:
@@ -487,8 +491,10 @@ class EngineClient:
         """Stop speaking an answer (barge-in, a client gone); idempotent and synchronous."""
         if self._end_speech(request_id) is None or "talker" not in self._running:
             return
-        task = asyncio.ensure_future(self._send_quietly(
-            "talker", protocol.encode(protocol.CancelSpeech([request_id]))))
+        self._send_in_background("talker", protocol.encode(protocol.CancelSpeech([request_id])))
+
+    def _send_in_background(self, worker: str, message: bytes) -> None:
+        task = asyncio.ensure_future(self._send_quietly(worker, message))
         self._resends.add(task)
         task.add_done_callback(self._resends.discard)
 
@@ -578,9 +584,7 @@ class EngineClient:
                 self.items_resent += len(found)
                 headers, frames = item_frames(found)
                 message = [protocol.encode(protocol.RegisterItems(request_id, headers)), *frames]
-                task = asyncio.ensure_future(self._send_quietly("encoder", message))
-                self._resends.add(task)
-                task.add_done_callback(self._resends.discard)
+                self._send_in_background("encoder", message)
             if not wanted:
                 return
 

@@ -174,6 +174,26 @@ def test_an_image_the_encoder_never_delivers_fails_its_request_after_the_timeout
     assert scheduler.embeddings.used == 0
 
 
+def test_a_lost_encoder_fails_what_was_asked_of_it_at_once_and_its_successor_is_asked_afresh():
+    scheduler = make_scheduler(encoder_timeout_s=60.0)
+    add(scheduler, "asked", 4, 8, 2, image="img-x")
+    text = add(scheduler, "text", 6, 0, 0, image=None)
+    runner = Runner(scheduler)
+    runner.step(deliver=False)
+    assert runner.encoder_asks == ["img-x"]
+    scheduler.fail_items_in_flight("the encoder process crashed")
+    _, outputs = runner.step(deliver=False)
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    assert [o.request_id for o in errors] == ["asked"] and "crashed" in errors[0].error
+    # The same image in a later request is asked of the new encoder, not joined to the lost ask.
+    later = add(scheduler, "later", 4, 8, 2, image="img-x")
+    while scheduler.has_unfinished_requests:
+        runner.step()
+    assert runner.encoder_asks == ["img-x", "img-x"]
+    assert later.status is RequestStatus.FINISHED_LENGTH and text.status is RequestStatus.FINISHED_LENGTH
+    assert scheduler.embeddings.used == 0
+
+
 def test_a_failed_encoding_fails_only_the_requests_that_need_it():
     scheduler = make_scheduler()
     add(scheduler, "bad", 4, 8, 2, image="img-bad")

@@ -121,6 +121,8 @@ class DecoderWorker:
             self._awaiting_first.difference_update(message.request_ids)
             # Freed blocks must show in the stats even if no step follows.
             self._send([])
+        elif isinstance(message, protocol.EncoderLost):
+            self.core.scheduler.fail_items_in_flight(message.reason)
         elif isinstance(message, protocol.Shutdown):
             return False
         return True
