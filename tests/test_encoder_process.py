@@ -105,3 +105,14 @@ def test_garbage_frames_do_not_kill_the_encoder(encoder):
         protocol.ItemHeader("h", 4, [1, 2, 2], "image", "<f4", [4, 4])]))])  # header without its frame
     encoder["asks"].send(b"not msgpack")
     assert isinstance(next_output(encoder, protocol.Heartbeat, timeout_ms=3000), protocol.Heartbeat)
+
+
+def test_encoder_batches_are_capped_by_embeddings_as_well_as_items():
+    from workers.encoder_batches import encoder_batches
+
+    costs = {"small1": 64, "small2": 64, "big": 900, "cached": 0, "small3": 64, "huge": 5000}
+    batches = encoder_batches(list(costs), costs.__getitem__, max_items=8, max_embeddings=1000)
+    # "big" would take the first batch past 1000 embeddings; "huge" alone exceeds the cap and goes alone.
+    assert batches == [["small1", "small2"], ["big", "cached", "small3"], ["huge"]]
+    assert encoder_batches(["a"] * 10, lambda h: 1, max_items=4, max_embeddings=1000) == [["a"] * 4, ["a"] * 4,
+                                                                                           ["a"] * 2]

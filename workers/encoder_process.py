@@ -32,13 +32,14 @@ import zmq
 from engine import protocol
 from engine.array_frames import items_from_frames, tensor_frame
 from engine.config import EngineConfig, global_encoder_cache_size
+from workers.encoder_batches import encoder_batches
 from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.encoder")
 
 # Batch sizes warmed up at start (seed 001): the first real batch of a size would otherwise
 # pay for lazy initialisation. The asks that arrived together are encoded in batches of at
-# most the largest.
+# most the largest, and of at most as many embeddings as the largest warm-up batch made.
 WARM_UP_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -58,6 +59,7 @@ class EncoderWorker:
         self.poller.register(self.inputs, zmq.POLLIN)
         self.poller.register(self.asks, zmq.POLLIN)
         self.encoder = None
+        self.max_batch_embeddings = 0
         # Asked for before registered (or registered without pixels): mm_hash -> when asked.
         self.waiting_asks: dict[str, float] = {}
         # Items whose pixels the frontend has been asked for, not yet received.
@@ -85,7 +87,9 @@ class EncoderWorker:
             budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item(),
                                                adapter.embedding_size() * dtype.itemsize)
             self.encoder = InProcessEncoder(adapter, dtype, device, budget, track_cache_changes=True)
-            seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), adapter.warm_up_item())
+            warm_up_item = adapter.warm_up_item()
+            seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), warm_up_item)
+            self.max_batch_embeddings = WARM_UP_BATCH_SIZES[-1] * warm_up_item.num_embeddings
             logger.info("vision encoder of %s loaded; global cache %d embeddings (%.2f GiB, ~%d of the largest "
                         "images); warmed up batch sizes %s in %.2f s", path.name, budget,
                         budget * adapter.embedding_size() * dtype.itemsize / (1 << 30),
@@ -179,8 +183,8 @@ class EncoderWorker:
                 del self.waiting_asks[mm_hash]
                 self.pixels_wanted.discard(mm_hash)
                 self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="the item was never registered"))
-        for start in range(0, len(ready), WARM_UP_BATCH_SIZES[-1]):
-            chunk = ready[start:start + WARM_UP_BATCH_SIZES[-1]]
+        for chunk in encoder_batches(ready, self.encoder.cost_of, WARM_UP_BATCH_SIZES[-1],
+                                     self.max_batch_embeddings):
             # An item sent without pixels may have left the cache while earlier chunks were
             # encoded: it waits for its pixels like any other.
             for mm_hash in [h for h in chunk if not self.encoder.knows(h)]:

@@ -71,6 +71,11 @@ class InProcessEncoder:
         entry = self._items.get(mm_hash)
         return entry is not None and entry[0].pixel_values is not None
 
+    def cost_of(self, mm_hash: str) -> int:
+        """Embeddings an ask makes the tower compute: none for a cached or unknown item."""
+        entry = self._items.get(mm_hash)
+        return 0 if entry is None or mm_hash in self.cache else entry[0].num_embeddings
+
     def registered_without_pixels(self, mm_hash: str) -> bool:
         entry = self._items.get(mm_hash)
         return entry is not None and entry[0].pixel_values is None
@@ -107,3 +112,4 @@ class InProcessEncoder:
             for size in batch_sizes:
                 self.adapter.encode_images(self.tower, [example] * size)
         return time.perf_counter() - started
+
