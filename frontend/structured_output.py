@@ -3,9 +3,10 @@
 Sources, at most one per request: OpenAI's `response_format` (`json_object`, `json_schema`)
 and vLLM's extensions `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 Tool calls that must happen (`tool_choice` "required" or a named function) bring their own
-grammar (frontend/tool_calls.py). Each spec is compiled here once, in a worker thread, so a
-schema the grammar engine cannot compile is a 400 naming the problem before the request is
-admitted; specs that compiled are remembered so the next request skips the thread hop.
+grammar (frontend/tool_calls.py). Each spec is compiled here once, in a process its deadline
+can kill (frontend/grammar_workers.py), so a schema the grammar engine cannot compile, or that
+can match no text, is a 400 naming the problem before the request is admitted; outcomes are
+remembered by digest, so the next request with a known spec costs one hash.
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ import asyncio
 import hashlib
 import json
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import anyio
 import msgspec
 
-from engine.grammars import GrammarCompiler, GrammarError
 from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
+from frontend.grammar_workers import GrammarWorkers, Outcome, WorkersUnavailable
+from frontend.tenancy import ANONYMOUS, FairShare, Requester, ShareExhausted, share_of
 from frontend.tool_calls import ToolSpecError, tool_call_grammar
 
-# Specs known to compile, and ones that took too long, remembered per frontend by digest.
+# Specs' outcomes (compiled, refused and why) remembered per frontend by digest.
 KNOWN_SPECS = 4096
-# Specs compiling at once in the frontend (each holds its thread until done, even past its
-# deadline, when the same spec is then refused at once).
+# Compiles at once when no server config says otherwise (ServerConfig.max_grammar_compiles).
 MAX_COMPILING = 2
 
 
@@ -119,51 +120,115 @@ def named_choice(tool_choice):
         else tool_choice
 
 
+@dataclass(frozen=True)
+class Refusal:
+    code: str  # "invalid_grammar" or "grammar_too_complex"
+    message: str
+
+
+class SharedCompile:
+    """One spec's compile and the requests waiting for it. When the last of them goes (its
+    task cancelled: the client left), the compile is cancelled, which kills its process."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.waiting = 0
+        self.stopped = False
+
+    async def outcome(self) -> Refusal | None:
+        self.waiting += 1
+        try:
+            return await asyncio.shield(self.task)
+        finally:
+            self.waiting -= 1
+            if not self.waiting and not self.task.done():
+                self.stopped = True
+                self.task.cancel()
+
+
 class GrammarChecker:
-    """Compiles specs off the event loop, each within a deadline, and remembers the outcome
-    by digest. At most MAX_COMPILING compiles run at once, each holding its slot until its
-    thread really ends (xgrammar cannot be interrupted: a compile past its deadline finishes
-    in the background). With every slot taken a new spec is refused at once as busy (429,
-    not remembered); the deadline counts only the spec's own compile."""
+    """Compiles specs in killable worker processes, each within a deadline counted from when
+    a worker takes it, and remembers the outcome by digest.
 
-    def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0) -> None:
-        self.compiler = GrammarCompiler(lambda: tokenizer, vocab_size)
+    Compiles in flight are bounded server-wide, per tenant and per client (a FairShare whose
+    total is also the number of worker processes): past a share a new spec is refused at once
+    as busy (429, not remembered), naming whose share is full. Requests that ask for the same
+    spec at once share its one compile. A compile past its deadline, or that nobody waits for
+    any more, is stopped with its process: its slot and its core are free again at once."""
+
+    def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0, shares: FairShare | None = None) -> None:
         self.deadline_s = deadline_s
-        self._threads = ThreadPoolExecutor(MAX_COMPILING, thread_name_prefix="grammar-check")
-        self._running = 0
-        # digest -> None (compiled) or the refusal's message.
-        self._known: OrderedDict[bytes, str | None] = OrderedDict()
+        self.shares = shares if shares is not None else \
+            FairShare("grammar compiles", "--max-grammar-compiles", MAX_COMPILING, MAX_COMPILING, MAX_COMPILING)
+        self.workers = GrammarWorkers(tokenizer, vocab_size, self.shares.total)
+        # digest -> None (compiled) or why it is refused.
+        self._known: OrderedDict[bytes, Refusal | None] = OrderedDict()
+        self._compiling: dict[bytes, SharedCompile] = {}
 
-    async def check(self, spec: StructuredOutput, param: str) -> None:
+    @classmethod
+    def for_server(cls, config, tokenizer, vocab_size: int) -> "GrammarChecker":
+        total = config.max_grammar_compiles
+        # With one key (or none) every client is the same tenant: only the client share applies.
+        per_tenant = share_of(total, config.share_per_tenant) if config.counts_tenants() else total
+        shares = FairShare("grammar compiles", "--max-grammar-compiles", total, per_tenant,
+                           share_of(total, config.share_per_client))
+        return cls(tokenizer, vocab_size, config.grammar_compile_timeout_s, shares)
+
+    async def check(self, spec: StructuredOutput, param: str, requester: Requester = ANONYMOUS) -> None:
         key = hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).digest()
         if key in self._known:
             self._known.move_to_end(key)
-            if self._known[key] is not None:
-                raise InvalidInput(self._known[key], "grammar_too_complex", param)
-            return
-        if self._running >= MAX_COMPILING:
-            raise GrammarBusy("the server is compiling other grammars; retry in a moment")
-        self._running += 1
-        loop = asyncio.get_running_loop()
-        compiling = self._threads.submit(self.compiler.compile, spec)
-        compiling.add_done_callback(lambda _: loop.call_soon_threadsafe(self._compile_ended))
+            refusal = self._known[key]
+        else:
+            compiling = self._compiling.get(key)
+            if compiling is None or compiling.stopped:
+                try:
+                    slot = self.shares.take(requester)
+                except ShareExhausted as exc:
+                    raise GrammarBusy(str(exc)) from None
+                compiling = self._compiling[key] = SharedCompile(asyncio.create_task(self._compile(key, spec)))
+                # Released when the compile ends however it ends, even cancelled before it ran.
+                compiling.task.add_done_callback(lambda _: (slot.release(), self._ended(key, compiling)))
+            refusal = await compiling.outcome()
+        if refusal is not None:
+            message = refusal.message if refusal.code == "invalid_grammar" else f"the {param} {refusal.message}"
+            raise InvalidInput(message, refusal.code, param)
+
+    async def _compile(self, key: bytes, spec: StructuredOutput) -> Refusal | None:
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiling)), self.deadline_s)
-            outcome = None
-        except GrammarError as exc:
-            raise InvalidInput(str(exc), "invalid_grammar", param) from None
-        except TimeoutError:
-            outcome = (f"the {param} did not compile within {self.deadline_s:g} s; simplify it (fewer rules, "
-                       "no maxLength)")
-        self._known[key] = outcome
+            outcome = await self.workers.compile(spec, self.deadline_s)
+        except WorkersUnavailable as exc:
+            raise GrammarBusy(f"structured output is unavailable for a moment ({exc}); retry shortly") from None
+        refusal = _refusal_of(outcome, self.deadline_s)
+        self._known[key] = refusal
         if len(self._known) > KNOWN_SPECS:
             self._known.popitem(last=False)
-        if outcome is not None:
-            raise InvalidInput(outcome, "grammar_too_complex", param)
+        return refusal
 
-    def _compile_ended(self) -> None:
-        self._running -= 1
+    def _ended(self, key: bytes, compiling: SharedCompile) -> None:
+        if self._compiling.get(key) is compiling:
+            del self._compiling[key]
+
+    @property
+    def compiling(self) -> int:
+        """Compiles in flight (each holds a share slot and a worker process)."""
+        return self.shares.held
+
+    async def close(self) -> None:
+        await self.workers.close()
+
+
+def _refusal_of(outcome: Outcome, deadline_s: float) -> Refusal | None:
+    if outcome.refusal is None:
+        return None
+    if outcome.refusal == "invalid":
+        return Refusal("invalid_grammar", outcome.message)
+    if outcome.refusal == "timeout":
+        return Refusal("grammar_too_complex", f"did not compile within {deadline_s:g} s; simplify it (fewer rules, "
+                                              "no maxLength)")
+    return Refusal("grammar_too_complex", f"could not be compiled: {outcome.message}")
 
 
 class GrammarBusy(Exception):
-    """Every compile slot is taken: the client should retry (429)."""
+    """A share of the compile slots is full (or the compile server is restarting): the client
+    should retry (429); the message says whose share."""

@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.grammars import GrammarCompiler, GrammarError
 from engine.sampling_params import StructuredOutput
 from tests.reference import load_reference_model
+from tests.tiny_models import build_tokenizer
 
 CHAT = [{"role": "user", "content": "hello"}]
 # Bounded strings and numbers: a random model would otherwise write one string forever.
@@ -108,6 +109,36 @@ def test_compile_errors_say_what_is_wrong(llm):
                         (StructuredOutput("grammar", "root ::= ("), "EBNF")]:
         with pytest.raises(GrammarError, match=words):
             compiler.compile(spec)
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("grammar", "root ::= root"),
+    ("grammar", 'root ::= "a" root'),
+    ("grammar", 'root ::= "a" x\nx ::= "b" y\ny ::= x "c"'),
+    ("grammar", "root ::= x{1,3}\nx ::= x"),
+    ("json_schema", '{"$ref": "#"}'),
+    ("json_schema", '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'),
+    ("json_schema", json.dumps({"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}})),
+    ("regex", "[^\\x00-\\U0010FFFF]"),
+])
+def test_a_grammar_that_can_match_no_text_is_a_grammar_error(kind, spec):
+    compiler = GrammarCompiler(lambda: build_tokenizer(), 384)
+    with pytest.raises(GrammarError, match="can match no text"):
+        compiler.compile(StructuredOutput(kind, spec))
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("grammar", 'root ::= ""'),  # only the empty answer: the model may only stop
+    ("grammar", 'root ::= "a" x\nx ::= "b" x | ""'),
+    ("grammar", "root ::= x{0,3}\nx ::= x"),
+    ("grammar", "\n".join(["root ::= r0"] + [f"r{i} ::= [a-z] r{i + 1}" for i in range(200)] + ['r200 ::= "x"'])),
+    ("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}})),
+    ("json_schema", json.dumps({"type": "object", "required": ["a"],
+                                "properties": {"a": {"type": "array", "items": {"$ref": "#"}}}})),
+    ("regex", "[^a-z]+"),
+])
+def test_a_recursive_grammar_that_can_end_compiles(kind, spec):
+    GrammarCompiler(lambda: build_tokenizer(), 384).compile(StructuredOutput(kind, spec))
 
 
 def test_a_slow_grammar_delays_only_its_own_request(tiny_llama):
