@@ -107,8 +107,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.generation = GenerationService(state.client, state.admission, tokenizer, eos, max_model_len,
                                              config.max_prompt_tokens, state.metrics, adapter, config.media_limits(),
                                              state.client.ready["decoder"].encoder_budget)
-        state.grammar_checker = GrammarChecker(tokenizer, state.client.ready["decoder"].vocab_size,
-                                               config.grammar_compile_timeout_s)
+        state.grammar_checker = GrammarChecker.for_server(config, tokenizer, state.client.ready["decoder"].vocab_size)
         state.logprob_formatter = LogprobFormatter(tokenizer)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
@@ -118,6 +117,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         try:
             yield
         finally:
+            await state.grammar_checker.close()
             await state.client.shutdown()
 
     async def health(request: Request) -> Response:

@@ -20,7 +20,7 @@ from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.generation import TextChunk
 from frontend.openai_chat import check_logit_bias
-from frontend.limits import bearer_token, cache_salt
+from frontend.limits import bearer_token, cache_salt, requester_of
 from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
                                   unless_disconnected, usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
@@ -36,7 +36,7 @@ class Completions:
         if isinstance(body_bytes, Response):
             return body_bytes
         try:
-            body, params, prompts = await self._check(body_bytes)
+            body, params, prompts = await self._check(body_bytes, request)
             n = body.n or 1
             leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
         except REFUSALS as exc:
@@ -66,7 +66,7 @@ class Completions:
                 for lease in leases:
                     lease.release()
 
-    async def _check(self, body_bytes: bytes):
+    async def _check(self, body_bytes: bytes, request: Request):
         state, config = self.state, self.state.config
         body = decode_request(body_bytes, CompletionRequest, config.accept_unknown_fields)
         body.check_supported()
@@ -74,7 +74,8 @@ class Completions:
         check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         constraint = body.constraint(config.max_grammar_bytes)
         if constraint is not None:
-            await state.grammar_checker.check(*constraint)
+            requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
+            await state.grammar_checker.check(*constraint, requester)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         prompts = await anyio.to_thread.run_sync(self._token_ids, body.prompts(config.max_prompts_per_request))
         return body, params, prompts

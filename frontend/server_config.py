@@ -96,6 +96,9 @@ class ServerConfig:
     # Audio a Realtime session may append, in seconds of audio per second (bursts of 30 s):
     # real-time clients send 1; more lets one session keep the VAD busy for everyone.
     max_audio_speedup: float = 4.0
+    # Grammar compiles the front end runs at once to check specs, each in its own process
+    # (frontend/grammar_workers.py); shared per tenant and per client. Past it: 429 grammar_busy.
+    max_grammar_compiles: int = 2
 
     def media_limits(self):
         """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
@@ -139,6 +142,8 @@ class ServerConfig:
             raise ValueError("max_worker_restarts must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.max_grammar_compiles < 1:
+            raise ValueError("max_grammar_compiles must be >= 1")
 
     def salts_per_key(self) -> bool:
         if self.cache_salt_per_key is None:
