@@ -13,7 +13,9 @@ from frontend.structured_output import ResponseFormat, structured_output_of
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = True
+    # As OpenAI: a stream ends with a usage chunk (its `choices` empty) only when asked, since
+    # readers written for OpenAI take `chunk.choices[0]` of every chunk.
+    include_usage: bool = False
     # Random padding against length side channels: not added by this server (refused if true).
     include_obfuscation: bool | None = None
 
@@ -56,7 +58,7 @@ class CommonRequestFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options.include_usage if self.stream_options else True
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def constraint(self, max_grammar_bytes: int):
         return structured_output_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
@@ -84,7 +86,8 @@ def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as JSON object keys) as token id -> bias."""
     out = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or len(key) > 10:
+        # ASCII digits only: str.isdigit is also true of "²" and "٣", which int() refuses or reads.
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
             raise InvalidInput(f"logit_bias keys must be token ids, not {key[:20]!r}", "invalid_value", "logit_bias")
         if not -100 <= value <= 100:
             raise InvalidInput("logit_bias values must be in [-100, 100]", "invalid_value", "logit_bias")

@@ -243,6 +243,38 @@ def test_completions_with_a_batch_of_prompts_equal_offline_greedy(tiny_server, o
     assert answer.usage.prompt_tokens == len(offline.tokenizer.encode("hello there")) + 4
 
 
+# ---- stream shape, logit_bias keys ---------------------------------------------------------
+
+def test_a_stream_without_stream_options_has_a_choice_in_every_chunk(tiny_server):
+    # The openai package's usual loop: chunk.choices[0] of every chunk.
+    api = client(tiny_server)
+    chat = [chunk.choices[0] for chunk in api.chat.completions.create(model="m", messages=CHAT, max_tokens=4,
+                                                                      stream=True)]
+    assert chat[-1].finish_reason is not None
+    texts = [chunk.choices[0] for chunk in api.completions.create(model="m", prompt="hello", max_tokens=4,
+                                                                  stream=True)]
+    assert texts[-1].finish_reason is not None
+
+
+def test_include_usage_ends_a_stream_with_the_usage_chunk(tiny_server):
+    api = client(tiny_server)
+    for create, asked in ((api.chat.completions.create, {"messages": CHAT}),
+                          (api.completions.create, {"prompt": "hello"})):
+        chunks = list(create(model="m", max_tokens=4, stream=True, stream_options={"include_usage": True},
+                             extra_body={"ignore_eos": True}, **asked))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        assert all(chunk.choices for chunk in chunks[:-1])
+
+
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1\u00b2", "\uff11", " 1", "-1", "1.0", ""])
+def test_a_logit_bias_key_that_is_not_a_token_id_is_a_400(tiny_server, path, key):
+    body = {"messages": CHAT} if path == "chat/completions" else {"prompt": "hi"}
+    status, answer = post_json(f"{tiny_server.url}/v1/{path}", {**body, "logit_bias": {key: 5}, "max_tokens": 2})
+    assert status == 400, answer
+    assert answer["error"]["code"] == "invalid_value" and answer["error"]["param"] == "logit_bias"
+
+
 # ---- nothing silently ignored ---------------------------------------------------------
 
 @pytest.mark.parametrize("path,field,value", [

@@ -54,7 +54,8 @@ def test_chat_completion_equals_offline_greedy_tokens(server, offline):
 def test_streamed_sse_equals_the_plain_answer_and_ends_with_usage(server, offline):
     expected = greedy_offline(offline, CONVERSATION, 24)
     status, text = request("POST", server.url + "/v1/chat/completions", {
-        "messages": CONVERSATION, "temperature": 0, "max_tokens": 24, "stream": True, "return_token_ids": True})
+        "messages": CONVERSATION, "temperature": 0, "max_tokens": 24, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True}})
     assert status == 200
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

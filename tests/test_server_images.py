@@ -90,8 +90,8 @@ def test_streamed_answer_with_a_jpeg_equals_the_plain_one(server):
     url = data_url(image, "JPEG")
     status, plain = post_json(server.url + "/v1/chat/completions", body(image_message(url)))
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", json.dumps(body(image_message(url), stream=True)),
-                       {"Content-Type": "application/json"})
+    streamed_body = body(image_message(url), stream=True, stream_options={"include_usage": True})
+    connection.request("POST", "/v1/chat/completions", json.dumps(streamed_body), {"Content-Type": "application/json"})
     events = [line[6:] for line in connection.getresponse().read().decode().splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     streamed = [t for e in events for c in json.loads(e)["choices"] for t in c["delta"].get("token_ids", [])]
