@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from engine.byte_level import byte_level_alphabet, is_byte_level
+
 
 class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._byte_of = _byte_level_alphabet() if _is_byte_level(tokenizer) else {}
+        self._byte_of = byte_level_alphabet() if is_byte_level(tokenizer) else {}
         self.token_bytes = lru_cache(maxsize=1 << 16)(self._token_bytes)
         # Special tokens (an EOS, a chat marker) are not part of the text answers show, so
         # they have no entry either: the entries' bytes add up to the answer's text.
@@ -66,22 +68,3 @@ class LogprobFormatter:
 def _finite(value: float) -> float:
     # A token the model gives zero probability has -inf; JSON has no infinity.
     return value if math.isfinite(value) else -9999.0
-
-
-def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, symbol -> byte: printable bytes stand for themselves,
-    the others are shifted past 255."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    symbols, shift = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[chr(byte)] = byte
-        else:
-            symbols[chr(256 + shift)] = byte
-            shift += 1
-    return symbols
