@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable, Iterator, Sequence
 
 from engine.chat_content import split_images
+from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.llm_engine import LLMEngine, Prompt
@@ -29,6 +30,7 @@ class LLM:
         factory = executor_factory if executor_factory is not None else default_executor_factory()
         self.engine = LLMEngine(engine_config, factory(engine_config))
         self.tokenizer = self.engine.tokenizer
+        self.template = ChatTemplate(self.tokenizer)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -78,8 +80,9 @@ class LLM:
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, chat_template=chat_template))
+        """The conversation's prompt ids, as the server makes them: control tokens typed in the
+        messages are text (engine/chat_template.py)."""
+        return self.template.token_ids(messages, chat_template=chat_template)
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):

@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 
 from engine import protocol
 from engine.chat_content import split_images
+from engine.chat_template import ChatTemplate, PromptTooLong
 from engine.input_processor import expand_images, make_engine_request
 from engine.media import MediaError, MediaLimits, check_image_count, load_image
 from engine.output_processor import RequestOutputProcessor
@@ -85,6 +86,9 @@ class GenerationService:
         self._preprocessing = anyio.CapacityLimiter(max(1, os.cpu_count() or 1))
         self.encoder_budget = encoder_budget
         self.native_tools = template_supports_tools(getattr(tokenizer, "chat_template", None))
+        # Built now, not on the first request: the floor reads the whole vocabulary.
+        self.template = ChatTemplate(tokenizer)
+        self.floor = self.template.floor
         # Refuse at start, not on every request, a tokenizer incremental detokenization cannot use.
         RequestOutputProcessor(tokenizer, [], SamplingParams())
 
@@ -112,6 +116,8 @@ class GenerationService:
         try:
             async with self._templating:
                 token_ids = await anyio.to_thread.run_sync(self._apply_template, messages, tools)
+        except PromptTooLong as exc:
+            raise InvalidInput(str(exc), "prompt_too_long", "messages") from None
         except (TemplateError, ValueError, TypeError) as exc:
             # Templates refuse some conversations (roles that do not alternate, a system
             # message where none may go): the client's conversation, not a server fault.
@@ -148,8 +154,14 @@ class GenerationService:
         # Tools, tool calls and tool answers: rendered by the template when it knows them,
         # else written into the conversation in the Hermes format (frontend/tool_calls.py).
         normalized, extra = prepare_conversation(normalized, tools, self.native_tools)
-        return list(self.tokenizer.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False, **extra))
+        # Refused before tokenizing when the rendered text alone is too long; client text stays text.
+        return self.template.token_ids(normalized, self.max_prompt_tokens, **extra)
+
+    def check_prompt_text(self, text: str, param: str = "prompt") -> None:
+        """Refuses, before it is tokenized, a text that surely takes more tokens than a prompt may."""
+        at_least = self.floor.tokens(text) if self.floor is not None else 0
+        if at_least > self.max_prompt_tokens:
+            raise InvalidInput(str(PromptTooLong(at_least, self.max_prompt_tokens)), "prompt_too_long", param)
 
     def check_prompt(self, token_ids: list[int], param: str = "messages") -> None:
         if not token_ids:

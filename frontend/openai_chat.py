@@ -96,6 +96,10 @@ class ChatCompletions:
     async def _plan(self, body_bytes: bytes) -> ChatPlan:
         state, config = self.state, self.state.config
         body = decode_request(body_bytes, ChatCompletionRequest, config.accept_unknown_fields)
+        # What costs nothing to count is counted before any work (the prompt's own length is
+        # bounded before it is tokenized: GenerationService.chat_prompt).
+        if len(body.messages) > config.max_messages:
+            raise InvalidInput(f"at most {config.max_messages} messages (--max-messages)", "invalid_value", "messages")
         body.check_supported()
         params = body.sampling_params(config.default_max_tokens, config.max_stop_strings, config.max_logprobs,
                                       config.max_choices)

@@ -84,7 +84,14 @@ class Completions:
         generation = self.state.generation
         vocab = self.state.client.ready["decoder"].vocab_size
         out = []
+        # A text that is surely too long is refused before the tokenizer spends seconds on any.
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                generation.check_prompt_text(prompt, "prompt")
         for index, prompt in enumerate(prompts):
+            # Control tokens in the text are control tokens: a raw prompt is the model's input as
+            # the client wrote it (with its own template, say), as in vLLM's completions; it may
+            # be token ids too, so no control token is out of the client's reach here anyway.
             token_ids = generation.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if any(t >= vocab for t in token_ids):
                 raise InvalidInput(f"prompt[{index}] holds a token id outside the vocabulary of {vocab}",

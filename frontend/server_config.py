@@ -99,6 +99,8 @@ class ServerConfig:
     # Grammar compiles the front end runs at once to check specs, each in its own process
     # (frontend/grammar_workers.py); shared per tenant and per client. Past it: 429 grammar_busy.
     max_grammar_compiles: int = 2
+    # Messages one chat request may hold: refused past it before any templating work.
+    max_messages: int = 2048
 
     def media_limits(self):
         """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
@@ -142,6 +144,8 @@ class ServerConfig:
             raise ValueError("max_worker_restarts must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.max_messages < 1:
+            raise ValueError("max_messages must be >= 1")
         if self.max_grammar_compiles < 1:
             raise ValueError("max_grammar_compiles must be >= 1")
 
