@@ -129,6 +129,11 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                             "hold (with two or more keys; default 0.5)")
     group.add_argument("--share-per-client", type=float, default=0.25,
                        help="fraction of those caps one client address may hold (default 0.25)")
+    group.add_argument("--spoken-answers-per-key", type=int, default=4096,
+                       help="spoken chat answers whose transcripts are kept per API key, for clients that send an "
+                            "answer back by its audio id (default 4096)")
+    group.add_argument("--spoken-answer-ttl", type=float, default=3600.0, dest="spoken_answer_ttl_s",
+                       help="seconds a spoken answer's audio id stays valid (its expires_at; default 3600)")
     group.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
                        help="browser Origin allowed on the WebSocket besides the server's own (repeatable; * = any)")
     group.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
@@ -162,6 +167,14 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-choices", type=int, default=16, help="largest n (choices per request)")
     group.add_argument("--max-grammar-bytes", type=int, default=64 << 10,
                        help="largest JSON schema, regex, choice list or grammar of a structured-output request")
+    group.add_argument("--max-grammar-compiles", type=int, default=2,
+                       help="grammar checks compiling at once, each in its own killable process (default 2; shared "
+                            "per tenant and per client); past it 429 grammar_busy")
+    group.add_argument("--max-messages", type=int, default=2048,
+                       help="messages one chat request may hold, refused before any templating (default 2048)")
+    group.add_argument("--max-queued-events", type=int, default=64,
+                       help="events a Realtime session holds while its earlier work runs (default 64); past it an "
+                            "error event and the event is dropped")
     group.add_argument("--grammar-compile-timeout", type=float, default=10.0, dest="grammar_compile_timeout_s",
                        help="a schema or grammar that takes longer to compile is refused (400 grammar_too_complex)")
     group.add_argument("--max-tools", type=int, default=128, help="tools one request may offer")
@@ -255,6 +268,7 @@ def _serve(args) -> int:
             host=args.host, port=args.port, api_keys=_api_keys(args.api_keys),
             cache_salt_per_key=args.cache_salt_per_key, public_metrics=args.public_metrics,
             share_per_tenant=args.share_per_tenant, share_per_client=args.share_per_client,
+            spoken_answers_per_key=args.spoken_answers_per_key, spoken_answer_ttl_s=args.spoken_answer_ttl_s,
             allowed_origins=args.allowed_origins,
             allowed_hosts=args.allowed_hosts,
             max_message_bytes=_message_bytes(args.max_message_bytes, args.model, args.max_image_bytes),
@@ -269,6 +283,8 @@ def _serve(args) -> int:
             max_conversation_bytes=args.max_conversation_bytes, max_events_per_second=args.max_events_per_second,
             max_stop_strings=args.max_stop_strings, max_logprobs=args.max_logprobs, max_choices=args.max_choices,
             max_grammar_bytes=args.max_grammar_bytes, grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            max_grammar_compiles=args.max_grammar_compiles, max_messages=args.max_messages,
+            max_queued_events=args.max_queued_events,
             max_tools=args.max_tools,
             max_prompts_per_request=args.max_prompts_per_request, accept_unknown_fields=args.accept_unknown_fields,
             header_timeout_s=args.header_timeout_s,

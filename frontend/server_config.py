@@ -74,6 +74,10 @@ class ServerConfig:
     # server-wide caps (at least one each), so that no client takes them all.
     share_per_tenant: float = 0.5
     share_per_client: float = 0.25
+    # Spoken chat answers' transcripts kept for clients that send an answer back by its audio
+    # id: per API key, and for how long (the answer's `expires_at`).
+    spoken_answers_per_key: int = 4096
+    spoken_answer_ttl_s: float = 3600.0
     # A WebSocket with no message and no active response for this long is closed.
     idle_timeout_s: float = 600.0
     # A worker that crashes or hangs is restarted at most this many times within
@@ -96,6 +100,9 @@ class ServerConfig:
     # Audio a Realtime session may append, in seconds of audio per second (bursts of 30 s):
     # real-time clients send 1; more lets one session keep the VAD busy for everyone.
     max_audio_speedup: float = 4.0
+    # Events a Realtime session holds while its earlier work (a transcription, a grammar
+    # compile, templating) goes on; past it an event gets an error event and is dropped.
+    max_queued_events: int = 64
     # Grammar compiles the front end runs at once to check specs, each in its own process
     # (frontend/grammar_workers.py); shared per tenant and per client. Past it: 429 grammar_busy.
     max_grammar_compiles: int = 2
@@ -115,13 +122,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",
                      "max_speech_input_chars", "max_audio_buffer_seconds",
-                     "max_transcriptions", "max_spoken_answers", "max_audio_speedup"):
+                     "max_transcriptions", "max_spoken_answers", "max_audio_speedup", "spoken_answers_per_key",
+                     "spoken_answer_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",
                      "max_connections", "max_connections_per_client", "max_conversation_items",
                      "max_conversation_bytes", "max_stop_strings", "max_choices", "max_grammar_bytes",
-                     "max_tools", "max_prompts_per_request"):
+                     "max_tools", "max_prompts_per_request", "max_queued_events"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 1 <= self.max_grammar_bytes <= 1 << 20:
