@@ -11,8 +11,14 @@ cost decides.
 The frontend compiles a spec once to refuse a bad one with a 400 before the request is
 admitted (in a process a deadline can kill: frontend/grammar_workers.py); the decoder compiles
 it again (cached by spec) while the request's prompt is prefilled, and keeps one matcher per
-request. A grammar that can match no text at all (a rule or `$ref` that only leads back to
-itself) is a GrammarError like one that does not parse: a matcher for it could never end.
+request. Handing the front end's compiled grammar over instead is left out: xgrammar's only
+portable form is JSON, 2-20x the grammar's size (megabytes for a slow schema, to carry per
+request), written in about a third of a compile and read in a sixth on the default model's
+vocabulary, and both far slower than compiling on small vocabularies
+(`python benchmarks/grammar_checker.py --handover [--tiny]`).
+
+A grammar that can match no text at all (a rule or `$ref` that only leads back to itself) is
+a GrammarError like one that does not parse: a matcher for it could never end.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ logger = logging.getLogger("antiphon.grammar_workers")
 SERVER_SLACK_S = 10.0
 # The compile server's start: an interpreter, torch and xgrammar imported, the tables built.
 START_TIMEOUT_S = 180.0
+# After a failed start, compiles are refused this long before the next try: a server that
+# cannot start must not cost a fresh interpreter per constrained request.
+RESTART_BACKOFF_S = 10.0
 _LENGTH = struct.Struct(">I")
 
 
@@ -133,6 +136,7 @@ class GrammarWorkers:
         self._reader: asyncio.Task | None = None
         self._jobs = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
+        self._failed_at = float("-inf")
         self.server_pid: int | None = None
 
     async def compile(self, spec: StructuredOutput, deadline_s: float) -> Outcome:
@@ -166,6 +170,8 @@ class GrammarWorkers:
                 and not self._reader.done():
             return process
         if self._starting is None or self._starting.done():
+            if time.monotonic() - self._failed_at < RESTART_BACKOFF_S:
+                raise WorkersUnavailable("the grammar compile server failed to start; it is tried again shortly")
             self._starting = asyncio.create_task(self._start(), name="grammar-workers-start")
         # Shielded: one waiter going away does not stop a start the others wait for.
         return await asyncio.shield(self._starting)
@@ -184,6 +190,8 @@ class GrammarWorkers:
                 ready = await _next_message(process.stdout)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             self._stop(process)
+            self._failed_at = time.monotonic()
+            logger.error("the grammar compile server did not start (%s)", type(exc).__name__)
             raise WorkersUnavailable(f"the grammar compile server did not start ({type(exc).__name__})") from None
         except BaseException:
             self._stop(process)
@@ -321,7 +329,10 @@ class CompileServer:
                 job = self.queue.popleft()
                 child.job, child.started = job, time.monotonic()
                 child.deadline = child.started + job.deadline_s
-                child.channel.sendall(_frame(job))
+                try:
+                    child.channel.sendall(_frame(job))
+                except OSError:
+                    pass  # it died: its socket reads end-of-file next, and the job is answered "failed"
 
     def _replace(self, child: _Child) -> None:
         """Kills the child (whatever it is doing) and forks a fresh one in its place."""

@@ -200,9 +200,12 @@ class GrammarChecker:
         except WorkersUnavailable as exc:
             raise GrammarBusy(f"structured output is unavailable for a moment ({exc}); retry shortly") from None
         refusal = _refusal_of(outcome, self.deadline_s)
-        self._known[key] = refusal
-        if len(self._known) > KNOWN_SPECS:
-            self._known.popitem(last=False)
+        # A worker that died on a spec is not held against the spec: it may have died of
+        # something else (the kernel's OOM killer, a signal).
+        if outcome.refusal != "failed":
+            self._known[key] = refusal
+            if len(self._known) > KNOWN_SPECS:
+                self._known.popitem(last=False)
         return refusal
 
     def _ended(self, key: bytes, compiling: SharedCompile) -> None:

@@ -1,6 +1,7 @@
 """The frontend's grammar check: compiles in worker processes that a deadline kills, fair
 shares of them per client and per tenant, one compile for requests that ask for the same spec
-at once, and a compile nobody waits for any more stopped with its process."""
+at once, a compile nobody waits for any more stopped with its process, and a worker or the
+compile server killed mid-compile."""
 
 import asyncio
 import json
@@ -171,3 +172,39 @@ async def test_a_grammar_that_matches_no_text_is_refused(checker, kind, spec):
     with pytest.raises(InvalidInput, match="can match no text") as refusal:
         await checker.check(StructuredOutput(kind, spec), "guided_grammar")
     assert refusal.value.code == "invalid_grammar"
+
+
+async def test_a_worker_killed_mid_compile_fails_that_check_once_and_is_replaced(checker):
+    checker.deadline_s = 60.0
+    workers = workers_of(checker)
+    slow = asyncio.create_task(checker.check(SLOW, "guided_json", A))
+    # The busy worker is the one that has run for a while (the idle one has just been forked).
+    cpu = lambda pid: psutil.Process(pid).cpu_times().user  # noqa: E731
+    await until(lambda: any(cpu(pid) > 0.3 for pid in workers))
+    busy = max(workers, key=cpu)
+    psutil.Process(busy).kill()
+    with pytest.raises(InvalidInput, match="the compile process ended .signal 9.") as refusal:
+        await slow
+    assert refusal.value.code == "grammar_too_complex"
+    await until(lambda: busy not in workers_of(checker) and len(workers_of(checker)) == 2)
+    assert workers_of(checker) & workers == workers - {busy}
+    # Not held against the spec: asked again, it compiles again.
+    again = asyncio.create_task(checker.check(SLOW, "guided_json", A))
+    await until(lambda: checker.compiling == 1)
+    again.cancel()
+
+
+async def test_a_killed_compile_server_is_a_429_and_the_next_check_starts_a_new_one(checker):
+    checker.deadline_s = 60.0
+    server = psutil.Process(checker.workers.server_pid)
+    workers = workers_of(checker)
+    slow = asyncio.create_task(checker.check(SLOW, "guided_json", A))
+    await until(lambda: checker.compiling == 1)
+    server.kill()
+    with pytest.raises(GrammarBusy, match="compile server exited"):
+        await slow
+    assert checker.compiling == 0
+    # Its workers die with it rather than compile on as orphans.
+    await until(lambda: not any(psutil.pid_exists(pid) for pid in workers))
+    await checker.check(regex("[a-z]+ again"), "guided_regex", B)
+    assert checker.workers.server_pid != server.pid and len(workers_of(checker)) == 2
