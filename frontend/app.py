@@ -23,7 +23,7 @@ from frontend.engine_client import EngineClient
 from frontend.generation import GenerationService
 from frontend.host_guard import HostGuard
 from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
-                             key_from_subprotocols, origin_allowed)
+                             key_from_subprotocols, origin_allowed, requester_of)
 from frontend.logprobs_format import LogprobFormatter
 from frontend.metrics import Metrics
 from frontend.openai_audio import AudioEndpoints
@@ -165,7 +165,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         # Browsers refuse a handshake that selects none of the subprotocols they offered.
         chosen = "realtime" if "realtime" in offered else (offered[0] if offered else None)
         await websocket.accept(subprotocol=chosen)
-        session = RealtimeSession(websocket, state, cache_salt(config, presented))
+        session = RealtimeSession(websocket, state, cache_salt(config, presented),
+                                  requester_of(config, presented, websocket.scope))
         if not key_accepted(config, presented):
             await session.send_error("missing or wrong API key", "invalid_api_key")
             await websocket.close(code=1008, reason="invalid api key")

@@ -20,6 +20,15 @@ max_events_per_second events (bursts of twice that).
 A response.cancel stops a response that is still generating. Once a response starts
 finishing (its stream ended, failed or was cancelled), a cancel leaves it alone, so its
 closing events (output_*.done, response.done) always go out and its answer joins the history.
+
+The session never stops reading its socket while work for it runs (frontend/realtime_work.py):
+events are handled in order, but a transcription, a grammar compile or templating a long
+conversation goes on while the next events are read. Conversation events (items,
+response.create, the items commits make) wait for the conversation work before them; session
+and audio events wait only for theirs, so a session.update, input_audio_buffer.append or .clear
+is handled while a turn is still being recognized; a response.cancel is handled at once
+(unless it names no response and follows a response.create of its own still waiting, which it
+then waits for, as it always did). At most max_queued_events events wait at once.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import math
 import time
 import uuid
 
+import anyio
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -50,6 +60,8 @@ from frontend.realtime_tools import FunctionCallStream, chat_tools, check_tools,
 from frontend.realtime_events import (UNSUPPORTED_SESSION_FIELDS, AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, MessageItem, ResponseCancel, ResponseCreate, SessionSettings,
                                       SessionUpdate, decode_client_event)
+from frontend.realtime_work import OrderedWork, off_the_socket
+from frontend.tenancy import ANONYMOUS, Requester
 
 logger = logging.getLogger("antiphon.realtime")
 
@@ -60,6 +72,13 @@ AUDIO_BURST_S = 30.0
 # Recognition of a turn starts this long before its pause would end it: about what Whisper
 # takes for a short question here, so the transcript is ready as the turn ends.
 EARLY_LEAD_MS = 250
+# Tokens by which an item's text counted alone may exceed its share of the templated prompt:
+# where the text meets the template's own text one token may cover bytes of both, at each end.
+# With it, the conversation's count is a lower bound, and a response.create refused on it
+# would have been refused after templating too.
+EDGE_TOKENS = 2
+# Conversation events: they wait for the conversation work before them (see the docstring).
+CONVERSATION_EVENTS = (ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ResponseCreate, ResponseCancel)
 
 
 def new_id(prefix: str) -> str:
@@ -67,11 +86,15 @@ def new_id(prefix: str) -> str:
 
 
 class RealtimeSession:
-    def __init__(self, websocket: WebSocket, state, cache_salt: str | None = None) -> None:
+    def __init__(self, websocket: WebSocket, state, cache_salt: str | None = None,
+                 requester: Requester = ANONYMOUS) -> None:
         self.ws = websocket
         self.state = state
         self.config = state.config
         self.cache_salt = cache_salt
+        # Who the session is, for its share of the work shared by every client (transcriptions,
+        # spoken answers).
+        self.requester = requester
         self.session = {
             "id": new_id("sess"), "object": "realtime.session", "type": "realtime", "model": state.model_name,
             "output_modalities": ["text"], "instructions": "", "max_output_tokens": "inf",
@@ -94,10 +117,26 @@ class RealtimeSession:
         # The conversation, in order, by item id, and the bytes of its text and instructions.
         self.items: dict[str, dict] = {}
         self.conversation_bytes = 0
+        # At least how many tokens each item's text takes, and the instructions' (text, count):
+        # a conversation past the prompt limit is refused without templating it again.
+        self.item_tokens: dict[str, int] = {}
+        self.instruction_tokens: tuple[str, int] = ("", 0)
+        # Ids the server announced for items not in the conversation yet (an answer's, its
+        # calls'): a client item may not take them.
+        self.announced_ids: set[str] = set()
         self.responses: dict[str, asyncio.Task] = {}
         # Responses sending their closing events: a cancel no longer reaches them.
         self.finishing: set[str] = set()
         self.conversation_response: str | None = None
+        # Events in order, and the conversation's work in order (frontend/realtime_work.py);
+        # response.create events read and not yet handled; speech starts that interrupt answers
+        # (an answer asked for before one is cancelled as it starts, as if it had been playing).
+        self.inbox = OrderedWork()
+        self.conversation = OrderedWork()
+        self.creates_waiting = 0
+        self.barge_ins = 0
+        # Tasks of the session besides its responses and its ordered work (early transcripts).
+        self.tasks: set[asyncio.Task] = set()
         self.last_activity = time.monotonic()
         self.rate = EventRate(self.config.max_events_per_second)
         self.audio_rate = EventRate(self.config.max_audio_speedup, capacity=AUDIO_BURST_S)
@@ -129,7 +168,13 @@ class RealtimeSession:
             pass
         finally:
             watchdog.cancel()
+            # Pending work first: none of it may start a response after the cancels below.
+            await self.inbox.close()
+            await self.conversation.close()
             self._drop_early_transcript()
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(watchdog, *self.tasks, return_exceptions=True)
             # A client that goes away mid-stream frees its requests and KV blocks at once.
             for response_id, task in list(self.responses.items()):
                 if response_id not in self.finishing:
@@ -141,10 +186,18 @@ class RealtimeSession:
         timeout = self.config.idle_timeout_s
         while True:
             await asyncio.sleep(min(timeout, 1.0))
-            if not self.responses and time.monotonic() - self.last_activity > timeout:
+            working = self.responses or self.inbox.busy or self.conversation.busy
+            if not working and time.monotonic() - self.last_activity > timeout:
                 await self.send_error(f"closed after {timeout:g} s without activity", "idle_timeout")
                 await self.ws.close(code=1000, reason="idle timeout")
                 return
+
+    def _start_task(self, coroutine) -> asyncio.Task:
+        """A task of the session's own, cancelled and awaited when the session closes."""
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def _handle_raw(self, data: str | bytes) -> None:
         if not self.rate.allow():
@@ -155,18 +208,50 @@ class RealtimeSession:
         if size > self.config.max_message_bytes:
             await self.send_error(f"message over {self.config.max_message_bytes} bytes", "message_too_large")
             return
-        event = None
         try:
             event = decode_client_event(data, self.config.accept_unknown_fields)
-            await self.handlers[type(event)](self, event)
         except InvalidInput as exc:
-            event_id = event.event_id if event is not None else getattr(exc, "event_id", None)
-            await self.send_error(str(exc), exc.code, exc.param, event_id)
+            await self.send_error(str(exc), exc.code, exc.param, getattr(exc, "event_id", None))
+            return
+        if isinstance(event, ResponseCancel) and (event.response_id is not None or not self.creates_waiting):
+            # A cancel stops what runs now, whatever waits on slow work.
+            await self._apply(event)
+            return
+        if self.inbox.waiting + self.conversation.waiting >= self.config.max_queued_events:
+            await self.send_error(f"{self.config.max_queued_events} events already wait for this session's earlier "
+                                  "work (a transcription, say); this one was dropped", "too_many_queued_events",
+                                  None, event.event_id)
+            return
+        if isinstance(event, ResponseCreate):
+            self.creates_waiting += 1
+        await self.inbox.run(lambda: self._handle(event))
+
+    async def _handle(self, event) -> None:
+        """One event, in the order events came; a conversation event then also in the order of
+        the conversation's work."""
+        if not isinstance(event, CONVERSATION_EVENTS):
+            await self._apply(event)
+        elif isinstance(event, ResponseCreate):
+            # Speech heard from here on interrupts this response (see barge_ins).
+            barge_ins = self.barge_ins
+            await self.conversation.run(lambda: self._apply(event, self.on_response_create(event, barge_ins)))
+        else:
+            await self.conversation.run(lambda: self._apply(event))
+
+    async def _apply(self, event, handling=None) -> None:
+        """Handles `event` (or awaits `handling`, its handler already called); a bad event, or
+        a failure of ours, is an error event, and the session goes on."""
+        try:
+            await (handling if handling is not None else self.handlers[type(event)](self, event))
+        except InvalidInput as exc:
+            await self.send_error(str(exc), exc.code, exc.param, event.event_id)
         except Exception:
             # A bug of ours must not take the connection (and its other responses) down.
             logger.exception("realtime event failed")
-            await self.send_error("the server failed to handle this event", "server_error", None,
-                                  event.event_id if event is not None else None)
+            await self.send_error("the server failed to handle this event", "server_error", None, event.event_id)
+        finally:
+            if isinstance(event, ResponseCreate) and handling is not None:
+                self.creates_waiting -= 1
 
     # ---- client events ----------------------------------------------------------------------
 
@@ -177,7 +262,9 @@ class RealtimeSession:
         _check_modalities(update, "session.output_modalities")
         candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
-        await self._check_answer_settings(candidate, "session")
+        # Only session.update changes the settings, one at a time: `candidate` holds after the
+        # compile. The conversation may change meanwhile: its budget is checked after it.
+        await off_the_socket(self._check_answer_settings(candidate, "session"))
         # Instructions are templated into every response, like the items: they share the budget.
         grown = _text_bytes(candidate["instructions"]) - _text_bytes(self.session["instructions"])
         if self.conversation_bytes + grown > self.config.max_conversation_bytes:
@@ -191,20 +278,15 @@ class RealtimeSession:
         await self.send({"type": "session.updated", "session": self.session})
 
     async def on_item_create(self, event: ItemCreate) -> None:
-        if len(self.items) >= self.config.max_conversation_items:
-            raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
-                               "delete some with conversation.item.delete", "conversation_full", "item")
         item = _message_item(event.item, self._takes_images)
-        if item["id"] in self.items:
-            raise InvalidInput(f"an item with id {item['id']!r} already exists", "duplicate_item_id", "item.id")
         previous = event.previous_item_id
-        if previous is not None and previous != "root" and previous not in self.items:
-            raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
+        self._check_new_item(item, previous)
         heard_ms = 0.0
-        # Recognized only once the cheap checks pass (a session's events are handled one at
-        # a time, so they still hold after it).
+        # Recognized only once the cheap checks pass; an answer may join the conversation (and
+        # evict items) while the audio is heard, so they are made again after it.
         if any(part["type"] == "input_audio" for part in item.get("content", ())):
-            heard_ms = await self._transcribe_parts(item)
+            heard_ms = await off_the_socket(self._transcribe_parts(item))
+            self._check_new_item(item, previous)
         size = _item_bytes(item)
         if self.conversation_bytes + size > self.config.max_conversation_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.config.max_conversation_bytes} bytes "
@@ -217,13 +299,39 @@ class RealtimeSession:
         await self.send({"type": "conversation.item.added", "previous_item_id": _previous_id(self.items, item["id"]),
                          "item": item})
 
-    async def on_item_delete(self, event: ItemDelete) -> None:
-        item = self.items.pop(event.item_id, None)
-        if item is None:
-            raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
-        self.spoken.pop(event.item_id, None)
-        self.heard_ms.pop(event.item_id, None)
+    def _check_new_item(self, item: dict, previous: str | None) -> None:
+        """A client item may join the conversation after `previous` ("root": first; None: last)."""
+        if len(self.items) >= self.config.max_conversation_items:
+            raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
+                               "delete some with conversation.item.delete", "conversation_full", "item")
+        item_id = item["id"]
+        if item_id == "root":
+            # previous_item_id "root" means the start of the conversation: an item so named
+            # could not be inserted after.
+            raise InvalidInput("'root' names the start of the conversation (previous_item_id); it is not an "
+                               "item id", "invalid_value", "item.id")
+        if item_id in self.items or item_id in self.announced_ids:
+            raise InvalidInput(f"an item with id {item_id!r} already exists", "duplicate_item_id", "item.id")
+        if previous is not None and previous != "root" and previous not in self.items:
+            raise InvalidInput(f"no item with id {previous!r}", "item_not_found", "previous_item_id")
+        ordered = list(self.items.values())
+        earlier = (ordered if previous is None else [] if previous == "root"
+                   else ordered[:list(self.items).index(previous) + 1])
+        _check_call_id(item, earlier, ordered)
+
+    def _forget_item(self, item_id: str) -> dict:
+        """Takes an item out of the conversation, with what the session knows of it."""
+        item = self.items.pop(item_id)
         self.conversation_bytes -= _item_bytes(item)
+        self.spoken.pop(item_id, None)
+        self.heard_ms.pop(item_id, None)
+        self.item_tokens.pop(item_id, None)
+        return item
+
+    async def on_item_delete(self, event: ItemDelete) -> None:
+        if event.item_id not in self.items:
+            raise InvalidInput(f"no item with id {event.item_id!r}", "item_not_found", "item_id")
+        self._forget_item(event.item_id)
         await self.send({"type": "conversation.item.deleted", "item_id": event.item_id})
 
     async def on_item_retrieve(self, event: ItemRetrieve) -> None:
@@ -250,6 +358,7 @@ class RealtimeSession:
         part = item["content"][0]
         self.conversation_bytes += _text_bytes(heard) - _text_bytes(part["transcript"])
         part["transcript"] = heard
+        self.item_tokens.pop(event.item_id, None)
         self.spoken[event.item_id] = [(heard, float(event.audio_end_ms))]
         await self.send({"type": "conversation.item.truncated", "item_id": event.item_id, "content_index": 0,
                          "audio_end_ms": event.audio_end_ms})
@@ -320,7 +429,8 @@ class RealtimeSession:
                 return
         self._drop_early_transcript()
         audio = self.audio_buffer.peek(self.speech_start_ms)
-        self.early_transcript = (key, asyncio.create_task(transcribe(self.state.client, audio)))
+        self.early_transcript = (key, self._start_task(transcribe(self.state.client, audio,
+                                                                  requester=self.requester)))
 
     def _drop_early_transcript(self) -> None:
         if self.early_transcript is not None:
@@ -332,6 +442,8 @@ class RealtimeSession:
 
     async def _speech_started(self, start_ms: int, detection: dict) -> None:
         self.speech_item_id, self.speech_start_ms = new_id("item"), start_ms
+        if detection["interrupt_response"]:
+            self.barge_ins += 1
         await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": start_ms,
                          "item_id": self.speech_item_id})
         playing = self.conversation_response
@@ -372,19 +484,39 @@ class RealtimeSession:
     async def _commit(self, item_id: str, from_ms: int | None, create_response: bool,
                       client_event_id: str | None, early: asyncio.Task | None = None) -> None:
         """The buffered turn becomes a user item; its transcript is its text (`early`: its
-        recognition, started when the pause that ended it began)."""
-        try:
-            await self._commit_turn(item_id, from_ms, create_response, client_event_id, early)
-        finally:
-            if early is not None and not early.done():
-                early.cancel()  # the turn failed before its early transcript was taken
-
-    async def _commit_turn(self, item_id: str, from_ms: int | None, create_response: bool,
-                           client_event_id: str | None, early: asyncio.Task | None) -> None:
+        recognition, started when the pause that ended it began). The audio is taken now, as
+        the buffer goes on with the next turn; the item joins the conversation in its turn and
+        is heard off the socket."""
         audio = self.audio_buffer.take(from_ms)
         if from_ms is None:
             self._reset_turn()  # a manual commit mid-speech starts the next turn afresh
         self.speech_item_id = self.speech_start_ms = None
+        # A response started for this turn is interrupted by speech heard from here on.
+        barge_ins = self.barge_ins
+        if self.conversation.waiting >= self.config.max_queued_events:
+            if early is not None:
+                early.cancel()
+            raise InvalidInput(f"{self.config.max_queued_events} events already wait for this session's earlier work; "
+                               "this turn was dropped", "too_many_queued_events")
+
+        async def commit() -> None:
+            try:
+                await self._commit_turn(item_id, audio, create_response, client_event_id, early, barge_ins)
+            except InvalidInput as exc:
+                await self.send_error(str(exc), exc.code, exc.param, client_event_id)
+            except Exception:
+                logger.exception("realtime commit failed")
+                await self.send_error("the server failed to commit the audio", "server_error", None, client_event_id)
+            finally:
+                if early is not None and not early.done():
+                    early.cancel()  # the turn failed before its early transcript was taken
+
+        await self.conversation.run(commit)
+
+    async def _commit_turn(self, item_id: str, audio, create_response: bool, client_event_id: str | None,
+                           early: asyncio.Task | None, barge_ins: int) -> None:
+        if item_id in self.items or item_id in self.announced_ids:
+            item_id = new_id("item")  # a client item took the id speech_started announced
         if len(self.items) >= self.config.max_conversation_items:
             raise InvalidInput(f"the conversation holds its limit of {self.config.max_conversation_items} items; "
                                "delete some with conversation.item.delete", "conversation_full")
@@ -400,11 +532,11 @@ class RealtimeSession:
             text, heard = None, False
             if early is not None:
                 try:
-                    text, heard = await early
+                    text, heard = await off_the_socket(early)
                 except EngineUnavailable:
                     pass  # the early attempt failed (busy, or the encoder restarted): once more
             if text is None:
-                text, heard = await transcribe(self.state.client, audio)
+                text, heard = await off_the_socket(transcribe(self.state.client, audio, requester=self.requester))
             if not heard:
                 failure = ("input_audio_no_speech", "no speech was heard in the committed audio")
         except EngineUnavailable as exc:
@@ -415,20 +547,24 @@ class RealtimeSession:
                 await self.send({"type": "conversation.item.input_audio_transcription.failed", "item_id": item_id,
                                  "content_index": 0, "error": {"type": "transcription_error", "code": code,
                                                                "message": message}})
-            if self.items.pop(item_id, None) is not None:
+            if self.items.get(item_id) is item:
+                self._forget_item(item_id)
                 await self.send({"type": "conversation.item.deleted", "item_id": item_id})
             raise InvalidInput(message, code)
         item["content"][0]["transcript"] = text
-        self.conversation_bytes += _text_bytes(text)
-        self.heard_ms[item_id] = 1000 * len(audio) / RECOGNIZER_RATE
+        # The item may have been deleted (or evicted by an answer) while it was heard.
+        if self.items.get(item_id) is item:
+            self.conversation_bytes += _text_bytes(text)
+            self.heard_ms[item_id] = 1000 * len(audio) / RECOGNIZER_RATE
+            self.item_tokens.pop(item_id, None)
         if reporting:
             usage = {"type": "duration", "seconds": round(len(audio) / RECOGNIZER_RATE, 3)}
             await self.send({"type": "conversation.item.input_audio_transcription.delta", "item_id": item_id,
                              "content_index": 0, "delta": text})
             await self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
                              "content_index": 0, "transcript": text, "usage": usage})
-        if create_response and item_id in self.items:
-            await self.on_response_create(ResponseCreate(event_id=client_event_id))
+        if create_response and self.items.get(item_id) is item:
+            await self.on_response_create(ResponseCreate(event_id=client_event_id), barge_ins)
 
     async def _transcribe_parts(self, item: dict) -> float:
         """conversation.item.create with input_audio parts: each part's transcript is its text
@@ -447,7 +583,8 @@ class RealtimeSession:
                                    "audio_too_long", "item.content")
             try:
                 text, heard = await transcribe(self.state.client,
-                                               resample(samples, audio_format["rate"], RECOGNIZER_RATE))
+                                               resample(samples, audio_format["rate"], RECOGNIZER_RATE),
+                                               requester=self.requester)
             except EngineUnavailable as exc:
                 raise InvalidInput(str(exc), "engine_unavailable", "item.content") from None
             if not heard:
@@ -457,7 +594,12 @@ class RealtimeSession:
             heard_ms += 1000 * len(samples) / audio_format["rate"]
         return heard_ms
 
-    async def on_response_create(self, event: ResponseCreate) -> None:
+    async def on_response_create(self, event: ResponseCreate, barge_ins: int | None = None) -> None:
+        """Starts a response. `barge_ins`: self.barge_ins when it was asked for; speech that
+        started since then cancels it as it starts (it would have been playing)."""
+        # The settings as this event found them: a session.update may land during the slow
+        # parts below.
+        session = self.session
         options = event.response
         out_of_band = options.conversation == "none"
         if not out_of_band and self.conversation_response is not None:
@@ -468,26 +610,33 @@ class RealtimeSession:
                                "on one connection", "too_many_responses")
         overrides = _settings(options, "response")
         _check_modalities(overrides, "response.output_modalities")
-        speaking = "audio" in overrides.get("output_modalities", self.session["output_modalities"])
+        speaking = "audio" in overrides.get("output_modalities", session["output_modalities"])
         if speaking:
             self._require_voice("response.output_modalities")
             if not self.state.client.voice_ready:
                 raise InvalidInput(f"voice is unavailable: {self.state.client.voice_status}", "voice_unavailable")
-        audio_out = merged_audio_settings(self.session["audio"], options)["output"] if speaking else None
-        if out_of_band and options.input is not msgspec.UNSET:
+        audio_out = merged_audio_settings(session["audio"], options)["output"] if speaking else None
+        own_input = out_of_band and options.input is not msgspec.UNSET
+        if own_input:
             items = [_message_item(i, self._takes_images) for i in options.input]
+            for at, item in enumerate(items):
+                _check_call_id(item, items[:at], items, "response.input")
         else:
             items = list(self.items.values())
-        params = _sampling(self.session, overrides, self.config.default_max_tokens, "response")
-        settings = {**self.session, **overrides}
-        constraint = await self._check_answer_settings(settings, "response")
+        params = _sampling(session, overrides, self.config.default_max_tokens, "response")
+        settings = {**session, **overrides}
+        constraint = await off_the_socket(self._check_answer_settings(settings, "response"))
         if constraint is not None:
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         if "response.output_text.logprobs" in (settings["include"] or ()):
             params = msgspec.structs.replace(params, logprobs=0)
         tools = chat_tools(settings["tools"]) or None
         calls_tools = tools is not None and settings["tool_choice"] != "none"
-        instructions = overrides.get("instructions", self.session["instructions"])
+        instructions = settings["instructions"]
+        if not own_input:
+            # The kept conversation costs the client nothing to send again: refuse one past the
+            # prompt limit on counts kept per item, before templating it.
+            await self._refuse_past_prompt_limit(items, instructions)
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += conversation_messages(items, _item_content)
         try:
@@ -496,14 +645,15 @@ class RealtimeSession:
             raise InvalidInput(str(exc), exc.code) from None
         try:
             # Templated only once admitted: a flood of requests costs no template work.
-            prompt = await self.state.generation.chat_prompt(messages, tools)
+            prompt = await off_the_socket(self.state.generation.chat_prompt(messages, tools))
         except BaseException:
             lease.release()
             raise
         response_id = lease.request_id
         heard_ms = sum(self.heard_ms.get(i["id"], 0.0) for i in items)
+        metadata = None if options.metadata is msgspec.UNSET else options.metadata
         task = asyncio.create_task(self._respond(lease, prompt, params, not out_of_band, event.event_id, audio_out,
-                                                 heard_ms, calls_tools))
+                                                 heard_ms, calls_tools, metadata))
         # Bookkeeping that must happen however the task ends, even if it is cancelled
         # before it starts (a response.cancel right behind the response.create).
         lease.bind(task)
@@ -515,6 +665,9 @@ class RealtimeSession:
         # a task cancelled before its first step would never send its response.done. (Its lease
         # does not depend on this: `bind` releases it however the task ends.)
         await asyncio.sleep(0)
+        spoke_up = barge_ins is not None and barge_ins != self.barge_ins
+        if spoke_up and not out_of_band and response_id not in self.finishing:
+            task.cancel()  # the user spoke up while it was being prepared: a barge-in as it starts
 
     async def _check_answer_settings(self, settings: dict, where: str) -> tuple | None:
         """Tools, tool_choice, response_format and include of a session or a response, checked
@@ -527,10 +680,34 @@ class RealtimeSession:
         constraint = await constraint_of(settings, where, self.config.max_grammar_bytes)
         if constraint is not None:
             try:
-                await self.state.grammar_checker.check(*constraint)
+                await self.state.grammar_checker.check(*constraint, self.requester)
             except GrammarBusy as exc:
                 raise InvalidInput(str(exc), "grammar_busy", constraint[1]) from None
         return constraint
+
+    async def _refuse_past_prompt_limit(self, items: list[dict], instructions: str) -> None:
+        """Refuses the conversation when its text alone is past the prompt limit. Each item is
+        counted once (off the loop) and remembered, so that asking again and again for a
+        response to a conversation too long costs nothing but the sum."""
+        generation = self.state.generation
+        uncounted = [item for item in items if item["id"] not in self.item_tokens]
+        texts = [_item_text(item) for item in uncounted]
+        new_instructions = instructions != self.instruction_tokens[0]
+        if new_instructions:
+            texts.append(instructions)
+        if texts:
+            counts = await off_the_socket(anyio.to_thread.run_sync(_least_tokens, generation, texts))
+            for item, count in zip(uncounted, counts):
+                if self.items.get(item["id"]) is item:  # not deleted or evicted meanwhile
+                    self.item_tokens[item["id"]] = count
+            if new_instructions:
+                self.instruction_tokens = (instructions, counts[-1])
+        least = sum(max(0, self.item_tokens.get(item["id"], 0) - EDGE_TOKENS) for item in items)
+        least += max(0, self.instruction_tokens[1] - EDGE_TOKENS) if instructions else 0
+        if least > generation.max_prompt_tokens:
+            raise InvalidInput(f"the conversation is at least {least} tokens; a prompt may have "
+                               f"{generation.max_prompt_tokens}: delete items with conversation.item.delete",
+                               "prompt_too_long")
 
     def _forget_response(self, response_id: str) -> None:
         self.responses.pop(response_id, None)
@@ -567,19 +744,29 @@ class RealtimeSession:
 
     async def _respond(self, lease: RequestLease, prompt: list[int], params: SamplingParams,
                        in_conversation: bool, client_event_id: str | None, audio_out: dict | None = None,
-                       heard_ms: float = 0.0, calls_tools: bool = False) -> None:
+                       heard_ms: float = 0.0, calls_tools: bool = False, metadata: dict | None = None) -> None:
         response_id = lease.request_id
+        # The ids of the output items, announced before they join the conversation (at the end).
+        announced: list[str] = []
+
+        def announce() -> str:
+            announced.append(new_id("item"))
+            self.announced_ids.add(announced[-1])
+            return announced[-1]
+
         # Function calls the answer makes become output items of their own, after the message.
-        calls = FunctionCallStream(self.send, response_id, lambda: new_id("item")) if calls_tools else None
+        calls = FunctionCallStream(self.send, response_id, announce) if calls_tools else None
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
         speaking = audio_out is not None
         client = self.state.client if speaking else None
-        item = {"id": new_id("item"), "object": "realtime.item", "type": "message", "role": "assistant",
+        item = {"id": announce(), "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}
+        # `metadata` is the response.create's, echoed: a client tells its own responses from
+        # those server VAD starts by it.
         response = {"id": response_id, "object": "realtime.response", "status": "in_progress",
                     "status_details": None, "output": [], "output_modalities": ["audio" if speaking else "text"],
-                    "usage": None,
+                    "usage": None, "metadata": metadata,
                     "conversation_id": self.session["id"] if in_conversation else None}
         where = {"response_id": response_id, "item_id": item["id"], "output_index": 0, "content_index": 0}
         opening = [{"type": "response.created", "response": response},
@@ -597,7 +784,7 @@ class RealtimeSession:
         if speaking:
             rate, speed = audio_out["format"]["rate"], audio_out["speed"]
             try:
-                speech = client.open_speech(response_id)
+                speech = client.open_speech(response_id, requester=self.requester)
             except EngineUnavailable as exc:
                 code = "voice_busy" if isinstance(exc, VoiceBusy) else "voice_unavailable"
                 speech, error = None, ("server_error", code, str(exc))
@@ -730,6 +917,7 @@ class RealtimeSession:
                             evicted += self._add_answer(call)
             for item_id in evicted:
                 await self.send({"type": "conversation.item.deleted", "item_id": item_id})
+            self.announced_ids.difference_update(announced)  # joined the conversation, or never will
             await self.send({"type": "response.done", "response": response})
             # Only now: a response.create queued behind this one must not start (and announce
             # itself) before this response.done has gone out.
@@ -771,9 +959,7 @@ class RealtimeSession:
         while self.items and (len(self.items) >= self.config.max_conversation_items
                               or self.conversation_bytes + size > self.config.max_conversation_bytes):
             oldest = next(iter(self.items))
-            self.conversation_bytes -= _item_bytes(self.items.pop(oldest))
-            self.spoken.pop(oldest, None)
-            self.heard_ms.pop(oldest, None)
+            self._forget_item(oldest)
             evicted.append(oldest)
         self.items[item["id"]] = item
         self.conversation_bytes += size
@@ -868,6 +1054,40 @@ def _item_content(item: dict) -> str | list[dict]:
         return [part if part["type"] == "input_image" else {"type": "input_text", "text": _part_text(part)}
                 for part in item["content"]]
     return "".join(_part_text(part) for part in item["content"])
+
+
+def _item_text(item: dict) -> str:
+    """What of an item becomes prompt text (an image's tokens are known only once it is read)."""
+    if item["type"] == "message":
+        return "".join(_part_text(part) for part in item["content"] if part["type"] != "input_image")
+    return "".join(item.get(name) or "" for name in ("name", "arguments", "output"))
+
+
+def _least_tokens(generation, texts: list[str]) -> list[int]:
+    """At least how many tokens each text takes: the floor found from its bytes where the
+    tokenizer has one (engine/token_floor.py: no tokenizing), else its tokens counted."""
+    if generation.floor is not None:
+        return [generation.floor.tokens(text) for text in texts]
+    return [len(ids) for ids in generation.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _check_call_id(item: dict, earlier: list[dict], items: list[dict], param: str = "item") -> None:
+    """A function_call_output answers one function_call before it, and only once; a
+    function_call's call_id is its own. `earlier`: the items before `item`; `items`: all."""
+    if item["type"] == "message":
+        return
+    call_id = item["call_id"]
+    if item["type"] == "function_call":
+        if any(i["type"] == "function_call" and i["call_id"] == call_id for i in items if i is not item):
+            raise InvalidInput(f"a function_call with call_id {call_id!r} already exists", "invalid_call_id",
+                               f"{param}.call_id")
+        return
+    if not any(i["type"] == "function_call" and i["call_id"] == call_id for i in earlier):
+        raise InvalidInput(f"no function_call item before this one has call_id {call_id!r}", "invalid_call_id",
+                           f"{param}.call_id")
+    if any(i["type"] == "function_call_output" and i["call_id"] == call_id for i in items if i is not item):
+        raise InvalidInput(f"the function_call {call_id!r} already has an output", "invalid_call_id",
+                           f"{param}.call_id")
 
 
 def _audio_tokens(ms: float) -> int:

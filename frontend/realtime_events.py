@@ -175,9 +175,14 @@ UNSUPPORTED_SESSION_FIELDS = {"truncation": ("auto",), "tracing": (), "prompt": 
                               "input_audio_noise_reduction": ()}
 
 
+# A response's metadata: echoed in its response object (OpenAI's bounds).
+Metadata = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+                     msgspec.Meta(max_length=16)]
+
+
 class ResponseOptions(SessionSettings, kw_only=True):
     conversation: Literal["auto", "none"] | UnsetType = UNSET
-    metadata: dict[str, str] | None | UnsetType = UNSET
+    metadata: Metadata | None | UnsetType = UNSET
     input: Annotated[list[MessageItem], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
 
 

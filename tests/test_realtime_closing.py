@@ -57,8 +57,19 @@ class NoEngine:
         self.released.append(request_id)
 
 
+class WordTokenizer:
+    """One token per word, in a Hugging Face tokenizer's calling shape."""
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [list(range(len(text.split()))) for text in texts]}
+
+
 class ScriptedGeneration:
     """Admits into a real Admission and streams the same chunks for every request."""
+
+    tokenizer = WordTokenizer()
+    floor = None  # counted by the tokenizer
+    max_prompt_tokens = 8192
 
     def __init__(self, chunks: list[TextChunk]) -> None:
         self.admission = Admission(8)
