@@ -54,6 +54,9 @@ def audio_part(pcm16: bytes) -> dict:
 
 
 TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.delta")
+# The metadata key by which `create_response` knows its own response among those server VAD
+# starts (the server echoes a response.create's metadata in its response.created).
+OWN_RESPONSE_KEY = "antiphon_client_request"
 
 
 class RealtimeError(Exception):
@@ -77,6 +80,9 @@ class Response:
         self.status: str | None = None
         self.usage: dict | None = None
         self.raw: dict | None = None
+        # create_response's tag for it (None: server VAD started it) and its event's id.
+        self._tag: str | None = None
+        self._event_id: str | None = None
         self._events: asyncio.Queue = asyncio.Queue()
         self.created = asyncio.get_running_loop().create_future()
 
@@ -142,8 +148,9 @@ class RealtimeClient:
         self._ws = None
         self._reader: asyncio.Task | None = None
         self._ids = itertools.count()
-        # Replies the server sends without naming our event: matched in order.
-        self._pending_creates: deque[Response] = deque()
+        # Our response.create events not yet answered, by the tag their metadata carries.
+        self._pending_creates: dict[str, Response] = {}
+        # session.updated names no event: matched in order.
         self._pending_session: deque[asyncio.Future] = deque()
         self._by_event_id: dict[str, object] = {}
         self._responses: dict[str, Response] = {}
@@ -215,13 +222,17 @@ class RealtimeClient:
         return response
 
     async def create_response(self, messages: list[dict] | None = None, **options) -> Response:
-        """Add `messages` ({"role", "content"}) to the conversation, then start a response."""
+        """Add `messages` ({"role", "content"}) to the conversation, then start a response.
+        Its metadata carries one more key, OWN_RESPONSE_KEY: a response server VAD starts
+        meanwhile is never taken for this one."""
         for message in messages or []:
             await self.add_message(message["role"], message["content"])
         response = Response(self)
-        self._pending_creates.append(response)
-        event_id = await self.send({"type": "response.create", "response": options})
-        self._by_event_id[event_id] = response
+        response._tag = f"create_{next(self._ids)}"
+        options = {**options, "metadata": {**(options.get("metadata") or {}), OWN_RESPONSE_KEY: response._tag}}
+        self._pending_creates[response._tag] = response
+        response._event_id = await self.send({"type": "response.create", "response": options})
+        self._by_event_id[response._event_id] = response
         await response.created
         return response
 
@@ -233,7 +244,7 @@ class RealtimeClient:
             closed = RealtimeError("connection_closed", str(exc))
         else:
             closed = RealtimeError("connection_closed", "the server closed the connection")
-        for response in list(self._responses.values()) + list(self._pending_creates):
+        for response in list(self._responses.values()) + list(self._pending_creates.values()):
             if not response.created.done():
                 response.created.set_exception(closed)
             response._fail(closed)
@@ -244,11 +255,13 @@ class RealtimeClient:
         if kind == "session.updated" and self._pending_session:
             self._pending_session.popleft().set_result(event["session"])
         elif kind == "response.created":
-            if self._pending_creates:
-                response = self._pending_creates.popleft()
-            else:  # started by the server's VAD, not by us
+            tag = (event["response"].get("metadata") or {}).get(OWN_RESPONSE_KEY)
+            response = self._pending_creates.pop(tag, None)
+            if response is None:  # started by the server's VAD, not by us
                 response = Response(self)
                 self.server_responses.put_nowait(response)
+            else:
+                self._by_event_id.pop(response._event_id, None)
             response.id = event["response"]["id"]
             self._responses[response.id] = response
             response.created.set_result(response.id)
@@ -268,7 +281,7 @@ class RealtimeClient:
         exc = RealtimeError(error.get("code"), error.get("message"), error.get("param"))
         target = self._by_event_id.pop(error.get("event_id"), None)
         if isinstance(target, Response) and not target.created.done():
-            self._pending_creates.remove(target)
+            self._pending_creates.pop(target._tag, None)
             target.created.set_exception(exc)
         elif isinstance(target, asyncio.Future) and not target.done():
             self._pending_session.remove(target)
