@@ -127,15 +127,16 @@ class GrammarWorkers:
     `compile` answers one job; cancelling the task that awaits it cancels the job, and the
     server kills the child compiling it."""
 
-    def __init__(self, tokenizer, vocab_size: int, children: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, processes: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self.children = children
+        self.processes = processes  # worker processes, each compiling one spec at a time
         self._process: asyncio.subprocess.Process | None = None
         self._starting: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self._jobs = itertools.count()
-        self._waiting: dict[int, asyncio.Future] = {}
+        # job -> the server it was sent to and its answer, later.
+        self._waiting: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future]] = {}
         self._failed_at = float("-inf")
         self.server_pid: int | None = None
 
@@ -143,8 +144,10 @@ class GrammarWorkers:
         process = await self._started()
         job = next(self._jobs)
         answer = asyncio.get_running_loop().create_future()
-        self._waiting[job] = answer
+        self._waiting[job] = process, answer
         try:
+            if process.returncode is not None or self._reader is None or self._reader.done():
+                raise WorkersUnavailable("the grammar compile server exited")
             process.stdin.write(_frame(Compile(job, spec.kind, spec.spec, deadline_s)))
             # The server counts the deadline from when a child takes the job; this bound
             # only catches a server that stopped answering.
@@ -179,7 +182,7 @@ class GrammarWorkers:
     async def _start(self) -> asyncio.subprocess.Process:
         started = time.monotonic()
         setup = await asyncio.to_thread(
-            lambda: _frame(Setup(pickle.dumps(self._tokenizer), self._vocab_size, self.children)))
+            lambda: _frame(Setup(pickle.dumps(self._tokenizer), self._vocab_size, self.processes)))
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "frontend.grammar_workers", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE)
@@ -198,15 +201,15 @@ class GrammarWorkers:
             raise
         self._process, self.server_pid = process, ready.pid
         self._reader = asyncio.create_task(self._read(process), name="grammar-workers-read")
-        logger.info("grammar compile server ready in %.1f s (pid %d, %d children)", time.monotonic() - started,
-                    process.pid, self.children)
+        logger.info("grammar compile server ready in %.1f s (pid %d, %d workers)", time.monotonic() - started,
+                    process.pid, self.processes)
         return process
 
     async def _read(self, process: asyncio.subprocess.Process) -> None:
         try:
             while True:
                 outcome = await _next_message(process.stdout)
-                answer = self._waiting.get(outcome.job)
+                _, answer = self._waiting.get(outcome.job, (None, None))
                 if answer is not None and not answer.done():
                     answer.set_result(outcome)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
@@ -215,8 +218,8 @@ class GrammarWorkers:
             self._stop(process)
             if process is self._process:
                 self._process = None
-            for answer in self._waiting.values():
-                if not answer.done():
+            for server, answer in self._waiting.values():
+                if server is process and not answer.done():
                     answer.set_exception(WorkersUnavailable("the grammar compile server exited"))
 
     def _stop(self, process: asyncio.subprocess.Process) -> None:
