@@ -3,6 +3,10 @@ plausible length, Piper's id framing, clause marks kept, bounded model calls, no
 text with nothing to say."""
 
 import json
+import logging
+import random
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,3 +142,85 @@ def test_espeak_runs_without_a_shell_and_with_a_timeout(voice, monkeypatch):
         voice.phonemize("; rm -rf / $(reboot)")
     assert isinstance(seen["command"], list) and "shell" not in seen
     assert b"rm -rf" in seen["input"] and not any("rm" in part for part in seen["command"])
+
+
+def test_ordinary_text_phonemizes_as_before_the_espeak_guard(voice):
+    # Recorded with the voice before workers/speech/speakable.py guarded espeak-ng's input.
+    recorded = json.loads((Path(__file__).parent / "piper_ordinary_phonemes.json").read_text(encoding="utf-8"))
+    version = subprocess.run(["espeak-ng", "--version"], capture_output=True, text=True).stdout.split()[3]
+    if version != recorded["espeak_ng"]:
+        pytest.skip(f"phonemes recorded with espeak-ng {recorded['espeak_ng']}, this is {version}")
+    for text, phonemes in recorded["phonemes"].items():
+        assert voice.phonemize(text) == phonemes, text
+
+
+def hostile_texts() -> list[str]:
+    """Client and model text that crashed espeak-ng 1.51 or might: the issue's, long dotted
+    names, repeated marks, control, bidi, combining and invisible characters, emoji, 4 KiB of
+    one character, and seeded random strings built from the same pieces."""
+    fixed = [
+        "a." * 100, "a." * 5000, "a.a.a.a.a. " * 100, "a . " * 300, "e.g. " + "b" * 300,
+        "https://" + "x." * 300 + "com/" + "path/" * 50, "Visit www." + "sub." * 100 + "example.com today.",
+        "é." * 200, "中." * 200, "𝐚." * 100, "Ⅻ." * 100, "_." * 200, "1." * 2000, "x.'" * 200,
+        "a.\u00ad" * 200, "a.:" * 200, "a.,!?" * 200, "y." + "bb?" * 300, "a." + "b\u0301" * 300,
+        "!" * 4096, "." * 4096, "?!" * 2048, "—" * 1000, "a" * 4096, "é" * 2048, "中" * 1366,
+        "\x00" * 50 + "hello" + "\x00" * 50, "\x1b[31mred\x1b[0m text", "\u202eevil text\u202c and \u200fmore",
+        "\u200b" * 500, "\ufeffBOM text", "a\u0301\u0302\u0303\u0304" * 300, "😀" * 1000, "👨‍👩‍👧‍👦 family",
+        "\ud800 lone surrogate", "(((((((((" * 100, "[" * 2000 + "x", "- " * 1000, "\n" * 500 + "end",
+    ]
+    rng = random.Random(29)
+    pieces = ["a", "é", "中", "𝐚", "1", "Z", "ab", ".", ".", ". ", " ", "'", "’", ":", ",", "?", "\u00ad",
+              "\u0301", "\u200f", "\u200b", "(", ")", "\"", "-", "/", "😀", "\x00", "_", "e.g.", "www.", "b" * 40]
+    fuzzed = ["".join(rng.choice(pieces) for _ in range(rng.randint(50, 300))) for _ in range(30)]
+    return fixed + fuzzed
+
+
+def test_hostile_text_never_crashes_espeak(voice, caplog):
+    for text in hostile_texts():
+        with caplog.at_level(logging.WARNING, logger="antiphon.voice"):
+            utterances = voice.phonemize(text)
+        # espeak-ng took every clause as it came: no failure for the guard below to catch.
+        assert not caplog.records, (text[:80], caplog.records[0].getMessage())
+        assert all(0 < len(utterance) <= MAX_UTTERANCE_PHONEMES for utterance in utterances)
+        assert bool(utterances) == any(char.isalnum() for char in text), text[:80]
+
+
+def test_hostile_text_is_spoken(voice):
+    for text in ["a." * 100, "e.g. " + "b" * 170, "Visit www." + "x." * 90 + "com today."]:
+        audio = voice.synthesize(text)
+        assert len(audio) > voice.sample_rate and np.abs(audio).max() > 0.1, text
+
+
+def test_a_clause_espeak_fails_on_is_spoken_as_bare_words_and_the_rest_as_usual(voice, monkeypatch, caplog):
+    # Without the guard on its input, espeak-ng 1.51 dies on the dotted run.
+    monkeypatch.setattr(piper_voice, "espeak_line", lambda clause: " ".join(clause.split()))
+    text = "Good morning, " + "a." * 100 + " Then goodbye."
+    with caplog.at_level(logging.WARNING, logger="antiphon.voice"):
+        utterances = voice.phonemize(text)
+    assert "espeak-ng failed" in caplog.text
+    spoken = " ".join(utterances)
+    assert voice.phonemize("Good morning,")[0].rstrip(",. ") in spoken
+    assert voice.phonemize("Then goodbye.")[0].rstrip(". ") in spoken
+    assert spoken.count("ɐ") + spoken.count("eɪ") >= 100  # the letters, one word each
+
+
+def test_a_clause_espeak_always_fails_on_is_left_silent(voice, monkeypatch, caplog):
+    run_espeak = voice._run_espeak
+
+    def failing_on_boom(text):
+        if "boom" in text:
+            raise piper_voice.EspeakFailed("espeak-ng failed (-6): *** stack smashing detected ***")
+        return run_espeak(text)
+
+    monkeypatch.setattr(voice, "_run_espeak", failing_on_boom)
+    with caplog.at_level(logging.WARNING, logger="antiphon.voice"):
+        utterances = voice.phonemize("First words. A boom here. Last words.")
+    assert "left silent" in caplog.text
+    assert utterances == voice.phonemize("First words.") + voice.phonemize("Last words.")
+
+
+def test_espeak_phoneme_codes_in_text_are_read_as_text(voice):
+    # espeak-ng would take "[[h@'loU]]" as its own phoneme codes for "hello", and write the
+    # codes after an unclosed "[[" out as they are ("this", not "ðˈɪs").
+    assert voice.phonemize("say [[h@'loU]] now") != voice.phonemize("say hello now")
+    assert voice.phonemize("say [[ this") == voice.phonemize("say this")

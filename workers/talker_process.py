@@ -74,7 +74,11 @@ class TalkerWorker:
 
         started = time.perf_counter()
         self.voice = PiperVoice(self.config.tts_voice, threads=1)
-        self.voice.synthesize("Hello.")  # first-call initialisation of onnxruntime
+        # First-call initialisation of onnxruntime, and a check of espeak-ng: the voice leaves a
+        # clause espeak-ng fails on silent rather than failing the answer, so a broken install
+        # must show here, not as answers without sound.
+        if not len(self.voice.synthesize("Hello.")):
+            raise RuntimeError("the voice says nothing for 'Hello.': is espeak-ng's data installed?")
         logger.info("voice %s loaded and warmed up in %.2f s", self.voice.voice_name, time.perf_counter() - started)
         self.outputs.send(protocol.encode(protocol.WorkerReady(worker="talker", pid=os.getpid())))
 

@@ -18,6 +18,12 @@ clause is then phonemized alone (slower, same result). The command (see `ESPEAK_
 UTF-8; -l 1000000: every input line ends a clause, so clauses never run together; --stdin:
 the text never reaches argv, so text starting with "-" is text. 10-20 ms a call here.
 
+What reaches espeak-ng is made safe in one place, `espeak_line` (workers/speech/speakable.py):
+espeak-ng 1.51 overflows a stack buffer on long dotted runs such as "a." * 85. Should it still
+fail on some clause, that clause is phonemized alone, then once more as its bare words (letters
+and digits, no punctuation), and is left silent if that fails too: the rest of the text is
+spoken, and the failure is logged.
+
 The model is run one utterance at a time (a sentence, or a piece of a long one cut at clause
 marks or words), so the time and memory of one call stay bounded however long the text,
 and `stream` can hand out the first sentence's audio while the rest waits.
@@ -26,6 +32,7 @@ and `stream` can hand out the first sentence's audio while the rest waits.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -38,6 +45,9 @@ import numpy as np
 import onnxruntime
 
 from workers.speech.clause_splitter import split_clauses
+from workers.speech.speakable import espeak_line, has_words
+
+logger = logging.getLogger("antiphon.voice")
 
 ESPEAK_COMMAND = ("espeak-ng", "-q", "--ipa", "-b", "1", "-l", "1000000", "--stdin")
 # The line between clauses; espeak-ng turns it into an empty output line.
@@ -51,10 +61,9 @@ MAX_UTTERANCE_PHONEMES = 240
 _MARK_PHONEMES = {".": ".", "?": "?", "!": "!", "\n": ".", "": ".", ",": ", ", ";": "; ", ":": ": "}
 # espeak-ng names a switch of language in parentheses, e.g. "(fr)"; no phonemes in it.
 _LANGUAGE_FLAG = re.compile(r"\([^)]*\)")
-# Markdown marks in an LLM's answer that espeak-ng would read aloud ("asterisk"), and control
-# characters (espeak-ng stops reading a line at a NUL).
-_UNSPOKEN = str.maketrans({**{chr(code): " " for code in (*range(32), 127)},
-                           "*": " ", "`": " ", "#": " ", "_": " "})
+# A clause's words without punctuation, none longer than a real word: the last try at a
+# clause espeak-ng failed on.
+_BARE_WORD = re.compile(r"[^\W_]{1,40}")
 _PAD, _BOS, _EOS = "_", "^", "$"
 
 
@@ -73,10 +82,8 @@ def _read_config(config_path: Path) -> dict:
     return config
 
 
-def _speakable(clause: str) -> str:
-    """One line of text for espeak-ng: markdown marks and control characters dropped,
-    whitespace runs to a space."""
-    return " ".join(clause.translate(_UNSPOKEN).split())
+class EspeakFailed(RuntimeError):
+    """espeak-ng exited with an error (or was killed) on the text it was given."""
 
 
 def _split_words(phonemes: str, limit: int) -> list[str]:
@@ -137,9 +144,8 @@ class PiperVoice:
     def phonemize(self, text: str) -> list[str]:
         """`text` as the phoneme strings of the utterances it is spoken in, one model call
         each: sentences, cut further where one has more than MAX_UTTERANCE_PHONEMES."""
-        clauses = [(clause, mark) for clause, mark in split_clauses(text)
-                   if any(char.isalnum() for char in clause)]
-        phonemes = self._espeak([_speakable(clause) for clause, _ in clauses])
+        clauses = [(clause, mark) for clause, mark in split_clauses(text) if has_words(clause)]
+        phonemes = self._espeak([espeak_line(clause) for clause, _ in clauses])
         utterances, current = [], ""
         for clause_phonemes, (_, mark) in zip(phonemes, clauses):
             if not clause_phonemes:
@@ -199,16 +205,36 @@ class PiperVoice:
 
     def _espeak(self, clauses: list[str]) -> list[str]:
         """Each clause's IPA phonemes ("" for a clause espeak-ng finds nothing in), in one
-        espeak-ng call; one call per clause if the output cannot be told apart."""
+        espeak-ng call; one call per clause if that call fails or its output cannot be told
+        apart."""
         if not clauses:
             return []
-        lines = self._run_espeak(f"\n{CLAUSE_SEPARATOR}\n".join(clauses))
-        # Clause k's lines lie between the k-th and (k+1)-th empty line. espeak-ng may break
-        # a clause of ours in two (after "Dr.", say): a space joins the pieces again.
-        groups = " ".join(line if line.strip() else "\n" for line in lines).split("\n")
-        if len(groups) != len(clauses):
-            groups = [" ".join(self._run_espeak(clause)) for clause in clauses]
+        try:
+            lines = self._run_espeak(f"\n{CLAUSE_SEPARATOR}\n".join(clauses))
+        except EspeakFailed:
+            lines = None
+        if lines is not None:
+            # Clause k's lines lie between the k-th and (k+1)-th empty line. espeak-ng may break
+            # a clause of ours in two (after "Dr.", say): a space joins the pieces again.
+            groups = " ".join(line if line.strip() else "\n" for line in lines).split("\n")
+        if lines is None or len(groups) != len(clauses):
+            groups = [self._espeak_alone(clause) for clause in clauses]
         return [self._clean(group) for group in groups]
+
+    def _espeak_alone(self, clause: str) -> str:
+        """One clause's phonemes; its bare words' if espeak-ng fails on it, and none (silence
+        for this clause, the others still spoken) if it fails on those too."""
+        try:
+            return " ".join(self._run_espeak(clause))
+        except EspeakFailed as error:
+            logger.warning("espeak-ng failed on a clause of %d characters, retried as bare words: %s",
+                           len(clause), error)
+        try:
+            return " ".join(self._run_espeak(" ".join(_BARE_WORD.findall(clause))))
+        except EspeakFailed as error:
+            logger.error("espeak-ng failed on a clause of %d characters and on its bare words; "
+                         "it is left silent: %s", len(clause), error)
+            return ""
 
     def _run_espeak(self, text: str) -> list[str]:
         try:
@@ -218,7 +244,7 @@ class PiperVoice:
             raise RuntimeError(f"espeak-ng took over {error.timeout:.0f} s for {len(text)} characters") from error
         except subprocess.CalledProcessError as error:
             message = error.stderr.decode(errors="replace")[:200]
-            raise RuntimeError(f"espeak-ng failed ({error.returncode}): {message}") from error
+            raise EspeakFailed(f"espeak-ng failed ({error.returncode}): {message}") from error
         return done.stdout.decode("utf-8", errors="replace").splitlines()
 
     @staticmethod
