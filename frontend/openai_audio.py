@@ -29,6 +29,7 @@ from frontend.limits import bearer_token, requester_of
 from frontend.speech_recognition import recognized_segments
 from frontend.tenancy import Requester
 from frontend.openai_http import body_or_error, error_response
+from workers.speech.speakable import has_words
 
 logger = logging.getLogger("antiphon.frontend")
 
@@ -212,11 +213,14 @@ class AudioEndpoints:
         if unknown:
             raise AudioRequestError(f"unsupported parameter {unknown[0]!r}", unknown[0], "unsupported_parameter")
         text = fields.get("input")
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str) or not text:
             raise AudioRequestError("input must be a non-empty string", "input")
         if len(text) > max_chars:
             raise AudioRequestError(f"input of {len(text)} characters is over the limit of {max_chars} "
                                     "(--max-speech-input-chars)", "input", "string_above_max_length")
+        if not has_words(text):
+            raise AudioRequestError("input has nothing to speak: it needs a letter or a digit (emoji, "
+                                    "punctuation and whitespace are silent)", "input", "nothing_to_speak")
         for name in ("model", "voice"):
             if name in fields and not isinstance(fields[name], str):
                 raise AudioRequestError(f"{name} must be a string", name)

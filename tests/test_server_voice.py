@@ -131,6 +131,20 @@ def test_bad_speech_requests_get_a_400_naming_the_field(server, body, param, cod
     assert (error["param"], error["code"]) == (param, code)
 
 
+@pytest.mark.parametrize("text", ["😀🎉", "...!?", "   \n\t", "— * —", "\u200f\u200b"])
+def test_speech_of_text_with_nothing_to_say_is_refused(server, text):
+    status, body = request("POST", server.url + "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": text})
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert (error["param"], error["code"]) == ("input", "nothing_to_speak")
+
+
+@pytest.mark.parametrize("text", ["a." * 100, "Visit www." + "x." * 90 + "com today.", "e.g. " + "b" * 170])
+def test_speech_of_text_that_crashed_espeak_is_audio(server, text):
+    status, audio = post_speech(server, {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"})
+    assert status == 200 and len(audio) > 2 * 24000  # over a second of 16-bit audio
+
+
 @pytest.mark.parametrize("fields, file, param, code, status", [
     ({"model": "whisper-1"}, b"ID3 not a wav at all", "file", "invalid_audio", 400),
     ({"model": "whisper-1", "response_format": "srt"}, None, "response_format", "invalid_value", 400),
