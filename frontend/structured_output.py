@@ -156,8 +156,13 @@ class GrammarChecker:
     spec at once share its one compile. A compile past its deadline, or that nobody waits for
     any more, is stopped with its process: its slot and its core are free again at once."""
 
-    def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0, shares: FairShare | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, deadline_s: float = 10.0, shares: FairShare | None = None,
+                 per_tenant: bool = False) -> None:
         self.deadline_s = deadline_s
+        # Outcomes remembered per tenant: a spec another key compiled must not answer faster
+        # (a known spec takes microseconds, a new one a compile), or a tenant could test what
+        # schemas the others use.
+        self.per_tenant = per_tenant
         self.shares = shares if shares is not None else \
             FairShare("grammar compiles", "--max-grammar-compiles", MAX_COMPILING, MAX_COMPILING, MAX_COMPILING)
         self.workers = GrammarWorkers(tokenizer, vocab_size, self.shares.total)
@@ -172,10 +177,11 @@ class GrammarChecker:
         per_tenant = share_of(total, config.share_per_tenant) if config.counts_tenants() else total
         shares = FairShare("grammar compiles", "--max-grammar-compiles", total, per_tenant,
                            share_of(total, config.share_per_client))
-        return cls(tokenizer, vocab_size, config.grammar_compile_timeout_s, shares)
+        return cls(tokenizer, vocab_size, config.grammar_compile_timeout_s, shares, per_tenant=config.salts_per_key())
 
     async def check(self, spec: StructuredOutput, param: str, requester: Requester = ANONYMOUS) -> None:
-        key = hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).digest()
+        tenant = requester.tenant if self.per_tenant else ""
+        key = hashlib.sha256(f"{tenant}\0{spec.kind}\0{spec.spec}".encode()).digest()
         if key in self._known:
             self._known.move_to_end(key)
             refusal = self._known[key]

@@ -208,3 +208,30 @@ async def test_a_killed_compile_server_is_a_429_and_the_next_check_starts_a_new_
     await until(lambda: not any(psutil.pid_exists(pid) for pid in workers))
     await checker.check(regex("[a-z]+ again"), "guided_regex", B)
     assert checker.workers.server_pid != server.pid and len(workers_of(checker)) == 2
+
+
+async def test_with_tenants_apart_a_spec_one_tenant_compiled_is_compiled_anew_for_another(checker):
+    # Known to tenant "a", a spec answers at once for "a" and is compiled again for "b": a
+    # known spec answering in microseconds would tell "b" what "a" asks for.
+    checker.per_tenant = True
+    try:
+        tenant_a, tenant_b = Requester("a", "10.0.0.1"), Requester("b", "10.0.0.2")
+        spec = regex(f"tenant[0-9]+{time.monotonic()}")
+        compiles = []
+        original = checker.workers.compile
+
+        async def counted(spec, deadline_s):
+            compiles.append(spec)
+            return await original(spec, deadline_s)
+
+        checker.workers.compile = counted
+        try:
+            await checker.check(spec, "guided_regex", tenant_a)
+            await checker.check(spec, "guided_regex", tenant_a)
+            assert len(compiles) == 1
+            await checker.check(spec, "guided_regex", tenant_b)
+            assert len(compiles) == 2
+        finally:
+            checker.workers.compile = original
+    finally:
+        checker.per_tenant = False
