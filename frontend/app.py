@@ -32,6 +32,7 @@ from frontend.openai_completions import Completions
 from frontend.openai_http import error_response
 from frontend.realtime import RealtimeSession
 from frontend.server_config import ServerConfig
+from frontend.spoken_answers import SpokenAnswerStore
 from frontend.structured_output import GrammarChecker
 
 logger = logging.getLogger("antiphon.frontend")
@@ -53,6 +54,8 @@ class AppState:
     # Structured output specs checked at the edge, and logprobs in OpenAI's shapes.
     grammar_checker: GrammarChecker | None = None
     logprob_formatter: LogprobFormatter | None = None
+    # Transcripts of spoken answers, for clients that send one back by its audio id.
+    spoken_answers: SpokenAnswerStore | None = None
 
 
 def image_adapter(path: Path):
@@ -70,8 +73,11 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                   restart_window_s=config.worker_restart_window_s,
                                   worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal,
                                   max_transcriptions=config.max_transcriptions,
-                                  max_spoken_answers=config.max_spoken_answers),
+                                  max_spoken_answers=config.max_spoken_answers,
+                                  share_per_tenant=config.share_per_tenant,
+                                  share_per_client=config.share_per_client),
                      Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
+    state.spoken_answers = SpokenAnswerStore(config.spoken_answers_per_key, config.spoken_answer_ttl_s)
     chat = ChatCompletions(state)
     completions = Completions(state)
     audio = AudioEndpoints(state)
@@ -136,6 +142,12 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             ("antiphon_realtime_sessions", "Open Realtime WebSocket sessions.", state.realtime_sessions),
             ("antiphon_connections_open", "HTTP requests being handled and open WebSockets (/health and /metrics "
              "not counted).", connections.total),
+            ("antiphon_voice_transcriptions_held", "Clips being recognized (of --max-transcriptions).",
+             state.client.transcriptions.held),
+            ("antiphon_voice_spoken_answers_held", "Answers being spoken (of --max-spoken-answers).",
+             state.client.spoken_answers.held),
+            ("antiphon_spoken_answer_ids", "Spoken answers' transcripts kept for their audio ids.",
+             len(state.spoken_answers)),
         ]
         counters = [("antiphon_requests_refused_total", "Requests refused with 429 (server full).",
                      state.admission.refused),
@@ -190,7 +202,9 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
 
     routes = [
         Route("/health", health),
-        Route("/metrics", metrics),
+        # With API keys, counters such as the encoder cache's hits would tell one tenant what
+        # another sends: /metrics wants a key too unless the operator makes it public.
+        Route("/metrics", metrics if config.public_metrics else authorized(metrics)),
         Route("/v1/models", authorized(chat.models)),
         Route("/v1/chat/completions", authorized(chat.create), methods=["POST"]),
         Route("/v1/completions", authorized(completions.create), methods=["POST"]),

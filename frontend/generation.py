@@ -25,6 +25,7 @@ from engine.chat_content import split_images
 from engine.chat_template import ChatTemplate, PromptTooLong
 from engine.input_processor import expand_images, make_engine_request
 from engine.media import MediaError, MediaLimits, check_image_count, load_image
+from engine.mm_inputs import salt_items
 from engine.output_processor import RequestOutputProcessor
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
@@ -178,6 +179,8 @@ class GenerationService:
                      cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
         if not isinstance(prompt, ChatPrompt):
             prompt = ChatPrompt(list(prompt))
+        if cache_salt is not None and prompt.items:
+            prompt = ChatPrompt(prompt.token_ids, *salt_items(prompt.placeholders, prompt.items, cache_salt))
         token_ids = prompt.token_ids
         try:
             request = make_engine_request(lease.request_id, token_ids, params, self.eos_token_ids,

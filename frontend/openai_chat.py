@@ -19,17 +19,18 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.chat_audio import SpeechFailed, SpokenAnswer, remember_transcript, transcribe_audio_parts
+from frontend.chat_audio import SpeechFailed, SpokenAnswer, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
 from frontend.choices import Choice, admit_choices, collect_all, merged, params_per_choice, start_choices
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
-from frontend.limits import bearer_token, cache_salt
+from frontend.limits import bearer_token, cache_salt, requester_of
 from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
                                   unless_disconnected, usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
 from frontend.structured_output import (check_logit_bias, forced_call_grammar, named_choice)
+from frontend.tenancy import Requester
 from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
                                  tool_calls_json, validate_tools)
 
@@ -60,7 +61,8 @@ class ChatCompletions:
         if isinstance(body_bytes, Response):
             return body_bytes
         try:
-            plan = await self._plan(body_bytes)
+            requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
+            plan = await self._plan(body_bytes, requester)
             leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
         except REFUSALS as exc:
             return refusal(exc)
@@ -72,7 +74,7 @@ class ChatCompletions:
         spoken = None
         try:
             if plan.spoken_format is not None:
-                spoken = SpokenAnswer(state.client, request_id, plan.spoken_format)
+                spoken = SpokenAnswer(state.client, request_id, plan.spoken_format, state.spoken_answers, requester)
             choices = await unless_disconnected(gone, self._start(leases, plan, salt))
             if choices is None:
                 return Response(status_code=499)  # nobody is listening any more
@@ -93,7 +95,7 @@ class ChatCompletions:
                 if spoken is not None:
                     spoken.close()
 
-    async def _plan(self, body_bytes: bytes) -> ChatPlan:
+    async def _plan(self, body_bytes: bytes, requester: Requester) -> ChatPlan:
         state, config = self.state, self.state.config
         body = decode_request(body_bytes, ChatCompletionRequest, config.accept_unknown_fields)
         # What costs nothing to count is counted before any work (the prompt's own length is
@@ -115,8 +117,9 @@ class ChatCompletions:
                                    "invalid_value", constraint[1])
             constraint = (grammar, "tool_choice")
         if constraint is not None:
-            await state.grammar_checker.check(*constraint)
+            await state.grammar_checker.check(*constraint, requester)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
+        body.recall_spoken_answers(state.spoken_answers, requester.tenant)
         messages = body.conversation()
         spoken_format = body.spoken_format()
         if spoken_format is not None:
@@ -130,7 +133,7 @@ class ChatCompletions:
                                    "n" if n > 1 else "tools")
         # Spoken parts become their transcripts (the encoder process hears them).
         await transcribe_audio_parts(state.client, messages, state.engine_config.voice,
-                                     config.max_audio_buffer_seconds)
+                                     config.max_audio_buffer_seconds, requester)
         return ChatPlan(body, params, messages, n, tools, spoken_format)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict] | None:
@@ -176,7 +179,6 @@ class ChatCompletions:
             # As OpenAI's audio answers: the text is the audio's transcript.
             out[0]["message"] = {"role": "assistant", "content": None,
                                  "audio": spoken.message_audio(b"".join(pcm), text)}
-            remember_transcript(out[0]["message"]["audio"]["id"], text)
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": int(time.time()),
             "model": self.state.model_name, "choices": out, "usage": usage_of([c[-1] for c in all_chunks]),
