@@ -396,8 +396,9 @@ class RealtimeSession:
                                               silence_duration_ms=detection["silence_duration_ms"])
             self.detector_offset_ms = position_ms
         detector = self.detector
-        # Silero runs a model: a worker thread keeps the event loop free for other sessions.
-        for vad_event in await asyncio.to_thread(detector.feed, resampled):
+        # Silero runs a model: a worker thread keeps the event loop free for other sessions,
+        # and the socket is read meanwhile (on a loaded machine the threads may all be busy).
+        for vad_event in await off_the_socket(asyncio.to_thread(detector.feed, resampled)):
             if detector is not self.detector:
                 return  # settings changed or the buffer was cleared meanwhile
             # The detector counts from its own first sample; events name stream times.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -123,6 +125,38 @@ async def test_manual_commit_without_vad_then_a_text_answer(voice_server):
         events = await events_until(ws, "response.done")
         answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         assert "paris" in answer.lower()
+
+
+async def test_a_session_goes_on_reading_while_the_encoder_cannot_hear_its_turn(voice_server):
+    """A turn waiting on a stopped (or busy) encoder holds up neither the socket's pings nor
+    the session's other events; the turn goes on once the encoder is back."""
+    async with websockets.connect(voice_server.ws_url, max_size=None) as ws:
+        await events_until(ws, "session.created")
+        await send(ws, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}},
+                                                              "max_output_tokens": 20, "temperature": 0}})
+        await events_until(ws, "session.updated")
+        await speak_into(ws, padded(said_naturally(QUESTION, 24000), 24000), real_time=False)
+        events: list[dict] = []
+        encoder = voice_server.worker_pids("encoder")
+        for pid in encoder:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            await send(ws, {"type": "input_audio_buffer.commit"})
+            await events_until(ws, "conversation.item.added", timeout=10, collect=events)
+            await send(ws, {"type": "session.update", "session": {"max_output_tokens": 24}})
+            await events_until(ws, "session.updated", timeout=5, collect=events)
+            await asyncio.wait_for(await ws.ping(), 5)
+            await send(ws, {"type": "response.create"})
+            await asyncio.sleep(0.5)
+        finally:
+            for pid in encoder:
+                os.kill(pid, signal.SIGCONT)
+        await events_until(ws, "response.done", collect=events)
+    types = [e["type"] for e in events]
+    assert "conversation.item.input_audio_transcription.completed" not in types[:types.index("session.updated")]
+    assert types.index("conversation.item.input_audio_transcription.completed") < types.index("response.created")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert events[-1]["response"]["status"] in ("completed", "incomplete") and "paris" in answer.lower()
 
 
 async def test_speech_during_a_spoken_answer_cancels_it(voice_server):
