@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py                                  # 500 clients, 10 minutes, miniature model
     python benchmarks/soak.py --clients 50 --minutes 0.5       # a quick look
+    python benchmarks/soak.py --mixed                          # faults under mixed load: benchmarks/mixed_soak.py
 
 Starts the server itself on a free loopback port (the random-weight miniature of the default
 model by default: its forward pass takes about a millisecond, so the serving path is what is
@@ -117,6 +118,11 @@ def start_server(args, port: int, log) -> subprocess.Popen:
                *args.server_arg]
     if args.model_path:
         command += ["--model", args.model_path]
+    return launch(command, port, log)
+
+
+def launch(command: list[str], port: int, log) -> subprocess.Popen:
+    """Runs `command` (an `antiphon serve`), its output into `log`, until /health is 200."""
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -129,11 +135,12 @@ def start_server(args, port: int, log) -> subprocess.Popen:
     raise RuntimeError(f"the server did not start; see {log.name}")
 
 
-def http_get(port: int, path: str) -> tuple[int, str]:
+def http_get(port: int, path: str, headers: dict | None = None) -> tuple[int, str]:
     import urllib.error
     import urllib.request
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+        with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -141,9 +148,10 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return 0, ""
 
 
-def metrics(port: int) -> dict[str, float]:
+def metrics(port: int, key: str | None = None) -> dict[str, float]:
+    """/metrics as name -> value; `key`: the API key it wants when the server has keys."""
     values = {}
-    for line in http_get(port, "/metrics")[1].splitlines():
+    for line in http_get(port, "/metrics", {"Authorization": f"Bearer {key}"} if key else None)[1].splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
@@ -163,8 +171,10 @@ def process_rss(server: psutil.Process) -> dict[str, int]:
     rss = {"frontend": server.memory_info().rss}
     for child in server.children(recursive=True):
         try:
-            command = " ".join(child.cmdline())
-            role = next((w for w in ("decoder", "encoder") if f"workers.{w}_process" in command), f"pid {child.pid}")
+            command = child.cmdline()
+            # `-m workers.decoder_process` -> decoder; `-m frontend.grammar_workers` -> grammar_workers
+            module = command[command.index("-m") + 1] if "-m" in command[:-1] else None
+            role = module.rpartition(".")[2].removesuffix("_process") if module else f"pid {child.pid}"
             rss[f"{role} ({child.pid})"] = child.memory_info().rss
         except psutil.NoSuchProcess:
             pass
@@ -399,10 +409,10 @@ async def run_load(load: Load) -> None:
     await asyncio.gather(*tasks)
 
 
-def wait_for_idle(port: int, idle: dict[str, float]) -> tuple[bool, dict[str, float]]:
+def wait_for_idle(port: int, idle: dict[str, float], key: str | None = None) -> tuple[bool, dict[str, float]]:
     deadline = time.monotonic() + BASELINE_TIMEOUT_S
     while True:
-        now = held_gauges(metrics(port))
+        now = held_gauges(metrics(port, key))
         back = bool(now) and all(name in now and now[name] <= idle[name] for name in idle)
         if back or time.monotonic() > deadline:
             return back, now
@@ -480,6 +490,10 @@ def report(load: Load, elapsed: float, rss: dict[str, dict[str, int]], idle: dic
 
 
 def main() -> int:
+    if "--mixed" in sys.argv[1:]:
+        # Faults under mixed load has its own options: python benchmarks/soak.py --mixed --help.
+        from benchmarks.mixed_soak import main as mixed_main
+        return mixed_main([arg for arg in sys.argv[1:] if arg != "--mixed"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=500)
     parser.add_argument("--minutes", type=float, default=10.0)
