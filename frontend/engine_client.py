@@ -448,17 +448,33 @@ class EngineClient:
             raise EngineUnavailable("voice is off on this server (--no-voice)")
         slot = _voice_slot(self.transcriptions, requester)
         request_id = f"clip-{next(self._clip_ids)}"
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._transcripts[request_id] = future
+        # The share counts the encoder's work, not this caller's wait: a caller that gives up
+        # (a client gone, speech that resumed) leaves its clip being recognized, so the slot
+        # stays taken until the encoder answers, fails or the timeout passes.
+        expiry = loop.call_later(TRANSCRIBE_TIMEOUT_S, self._expire_clip, request_id)
+        def clip_done(done: asyncio.Future) -> None:
+            slot.release()
+            expiry.cancel()
+            self._transcripts.pop(request_id, None)
+            if not done.cancelled():
+                done.exception()  # read here: a caller that gave up never will
+
+        future.add_done_callback(clip_done)
         try:
             header = protocol.encode(protocol.TranscribeAudio(request_id))
             await self._send("encoder", [header, np.ascontiguousarray(samples, dtype=np.float32).data])
-            return await asyncio.wait_for(future, TRANSCRIBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(f"no transcript within {TRANSCRIBE_TIMEOUT_S:g} s") from None
-        finally:
-            self._transcripts.pop(request_id, None)
-            slot.release()
+        except BaseException:
+            future.cancel()  # the clip never reached the encoder
+            raise
+        return await asyncio.shield(future)
+
+    def _expire_clip(self, request_id: str) -> None:
+        future = self._transcripts.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(EngineUnavailable(f"no transcript within {TRANSCRIBE_TIMEOUT_S:g} s"))
 
     def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
         """A queue that receives the answer's SpeechAudio messages as (header, pcm bytes),

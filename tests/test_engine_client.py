@@ -8,7 +8,7 @@ import pytest_asyncio
 from engine import protocol
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from frontend.engine_client import EngineClient
+from frontend.engine_client import EngineClient, VoiceBusy
 from frontend.restart_budget import RestartBudget
 
 
@@ -135,5 +135,36 @@ async def test_dead_output_reader_fails_requests_turns_unhealthy_and_is_fatal(ti
         assert not engine.healthy and "worker-outputs" in engine.status
         assert fatal == [1]
         assert engine.num_registered == 0
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_transcription_its_caller_gave_up_holds_its_share_until_the_encoder_answers(tiny_llama):
+    import numpy as np
+
+    from frontend.tenancy import Requester
+
+    engine = EngineClient(EngineConfig(model=str(tiny_llama), voice=True), max_transcriptions=4,
+                          share_per_client=0.25)
+    sent = []
+
+    async def to_encoder(worker, frames, block=True):
+        sent.append(worker)
+
+    engine._send = to_encoder
+    client = Requester(tenant="", client="10.0.0.7")
+    try:
+        waiter = asyncio.ensure_future(engine.transcribe(np.zeros(1600, np.float32), client))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await asyncio.sleep(0.01)
+        # The encoder still recognizes the clip: the client's one share stays taken.
+        assert sent == ["encoder"] and engine.transcriptions.held == 1
+        with pytest.raises(VoiceBusy):
+            await engine.transcribe(np.zeros(1600, np.float32), client)
+        engine._route(protocol.AudioTranscript(request_id="clip-0", text="late"))
+        await asyncio.sleep(0)  # done-callbacks run on the loop's next turn
+        assert engine.transcriptions.held == 0 and not engine._transcripts
     finally:
         await engine.shutdown()
