@@ -60,19 +60,21 @@ class ChatCompletions:
         body_bytes = await body_or_error(request, config)
         if isinstance(body_bytes, Response):
             return body_bytes
-        try:
-            requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
-            plan = await self._plan(body_bytes, requester)
-            leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
-        except REFUSALS as exc:
-            return refusal(exc)
-        request_id = leases[0].request_id
-        salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
-        # From here on a client that hangs up stops its request, before or after its first token.
+        presented = bearer_token(request.headers.get("authorization"))
+        requester = requester_of(config, presented, request.scope)
+        salt = cache_salt(config, presented)
+        # From here on a client that hangs up stops its request: its grammar compile and
+        # transcriptions while it is checked, its generation before or after its first token.
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         handed_over = False
         spoken = None
+        leases = []
         try:
+            plan = await unless_disconnected(gone, self._plan(body_bytes, requester))
+            if plan is None:
+                return Response(status_code=499)  # nobody is listening any more
+            leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
+            request_id = leases[0].request_id
             if plan.spoken_format is not None:
                 spoken = SpokenAnswer(state.client, request_id, plan.spoken_format, state.spoken_answers, requester)
             choices = await unless_disconnected(gone, self._start(leases, plan, salt))

@@ -35,17 +35,20 @@ class Completions:
         body_bytes = await body_or_error(request, config)
         if isinstance(body_bytes, Response):
             return body_bytes
-        try:
-            body, params, prompts = await self._check(body_bytes, request)
-            n = body.n or 1
-            leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
-        except REFUSALS as exc:
-            return refusal(exc)
-        request_id = leases[0].request_id
         salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
+        # From here on a client that hangs up stops its request: its grammar compile while it
+        # is checked, its generation before or after its first token.
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         handed_over = False
+        leases = []
         try:
+            checked = await unless_disconnected(gone, self._check(body_bytes, request))
+            if checked is None:
+                return Response(status_code=499)  # nobody is listening any more
+            body, params, prompts = checked
+            n = body.n or 1
+            leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
+            request_id = leases[0].request_id
             per_choice = params_per_choice(params, n) * len(prompts)
             choices = await unless_disconnected(gone, start_choices(
                 state.generation, leases, [p for p in prompts for _ in range(n)], per_choice, salt))
