@@ -60,7 +60,7 @@ class EngineCore:
             if grammars is None:
                 raise ValueError("this engine has no grammar engine for structured output")
             # Compiled on the grammar engine's own thread; the request waits in the queue.
-            request.grammar, request.grammar_asked_at = grammars.submit(spec), time.monotonic()
+            request.grammar, request.grammar_asked_at = grammars.submit(spec, request.cache_salt), time.monotonic()
         self.scheduler.add_request(request)
         if request.mm_placeholders:
             self.embedding_source.register(request.request_id, items or [])

@@ -33,8 +33,10 @@ import msgspec
 
 from engine.sampling_params import StructuredOutput
 
-# Compiled grammars kept per process (xgrammar's own cache, bounded by bytes), and the
-# compile futures the decoder remembers (a preempted request finds its grammar again).
+# Compiles the decoder remembers, per cache salt and spec, bounded by count and by the
+# compiled grammars' bytes (a preempted request finds its grammar again; a repeated spec is
+# not compiled again). xgrammar's own cache is off: it is keyed by the grammar alone, so one
+# tenant's compile would answer another's quickly and tell it what the first asked for.
 GRAMMAR_CACHE_BYTES = 256 << 20
 RECENT_COMPILES = 64
 # Compiles at once in the decoder: as many as the frontend lets through (one slow grammar
@@ -60,7 +62,7 @@ class GrammarCompiler:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._threads = threads
-        # 0: no cache (a caller that remembers outcomes itself).
+        # 0: nothing remembered (a caller that remembers outcomes itself).
         self._cache_bytes = cache_bytes
         self._compiler = None
         self._lock = threading.Lock()
@@ -77,26 +79,36 @@ class GrammarCompiler:
 
                 # Stop tokens come with each matcher: a request ends on its own EOS ids.
                 info = xgrammar.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._threads,
-                                                          cache_enabled=self._cache_bytes > 0,
-                                                          cache_limit_bytes=self._cache_bytes or -1)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
             return self._compiler
 
     def build_tables(self) -> None:
         """Builds the tokenizer's grammar tables now rather than at the first compile."""
         self._xgrammar_compiler()
 
-    def submit(self, spec: StructuredOutput) -> Future:
-        """The compiled grammar, later (its exception: GrammarError)."""
+    def submit(self, spec: StructuredOutput, cache_salt: str | None = None) -> Future:
+        """The compiled grammar, later (its exception: GrammarError). Requests of one cache
+        salt (tenant) share compiles; another salt's same spec is compiled for it anew."""
+        key = (cache_salt, spec)
         with self._lock:
-            future = self._recent.get(spec)
+            future = self._recent.get(key)
             if future is None:
-                future = self._recent[spec] = self._compiling.submit(self.compile, spec)
-                if len(self._recent) > RECENT_COMPILES:
-                    self._recent.popitem(last=False)
+                future = self._recent[key] = self._compiling.submit(self.compile, spec)
+                self._forget_past_bounds()
             else:
-                self._recent.move_to_end(spec)
+                self._recent.move_to_end(key)
             return future
+
+    def _forget_past_bounds(self) -> None:
+        """Oldest first, past RECENT_COMPILES or the byte budget (a request holding a
+        forgotten compile keeps it; only later requests compile again)."""
+        sizes = [_bytes_of(future) for future in self._recent.values()]
+        total = sum(sizes)
+        for size in sizes[:-1]:
+            if len(self._recent) <= RECENT_COMPILES and total <= self._cache_bytes:
+                break
+            self._recent.popitem(last=False)
+            total -= size
 
     def close(self) -> None:
         self._compiling.shutdown(wait=False, cancel_futures=True)
@@ -128,6 +140,13 @@ class GrammarCompiler:
         import xgrammar
 
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+
+
+def _bytes_of(future: Future) -> int:
+    """A compiled grammar's memory; 0 while it compiles or if it failed."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return 0
+    return future.result().memory_size_bytes
 
 
 def _grammar_of(spec: StructuredOutput):

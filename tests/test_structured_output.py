@@ -141,6 +141,32 @@ def test_a_recursive_grammar_that_can_end_compiles(kind, spec):
     GrammarCompiler(lambda: build_tokenizer(), 384).compile(StructuredOutput(kind, spec))
 
 
+def test_the_decoder_shares_a_compile_within_a_cache_salt_and_compiles_anew_for_another(monkeypatch):
+    # Two tenants (cache salts) asking for one schema: the second must not get the first's
+    # compile (or xgrammar's cached copy of it), whose speed would tell it the schema was used.
+    compiler = GrammarCompiler(lambda: build_tokenizer(), 384)
+    compiled = []
+    real_compile = compiler._xgrammar_compiler().compile_grammar
+    monkeypatch.setattr(compiler, "_compiler", type("Counting", (), {
+        "compile_grammar": lambda self, grammar: compiled.append(1) or real_compile(grammar)})())
+    spec = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string"}}}))
+    first = compiler.submit(spec, "tenant-a")
+    assert compiler.submit(spec, "tenant-a") is first
+    other = compiler.submit(spec, "tenant-b")
+    assert other is not first
+    first.result(), other.result()
+    assert len(compiled) == 2
+
+
+def test_the_decoders_remembered_compiles_are_bounded_by_bytes():
+    compiler = GrammarCompiler(lambda: build_tokenizer(), 384, cache_bytes=1)
+    futures = [compiler.submit(StructuredOutput("regex", f"[a-z]{{{n}}}")) for n in range(1, 6)]
+    for future in futures:
+        future.result()
+    compiler.submit(StructuredOutput("regex", "x"))
+    assert len(compiler._recent) <= 2  # the newest, and none of the older ones' bytes
+
+
 def test_a_slow_grammar_delays_only_its_own_request(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=256)
     engine = llm.engine
