@@ -789,7 +789,7 @@ def print_table(soak: Soak, end: float) -> list[str]:
                 times = [r.ttft for r in chosen if r.phase == phase and r.ttft is not None
                          and r.outcome in ("answered", "vanished")]
                 ttft.append(f"{ms(percentile(times, 0.5))}/{ms(percentile(times, 0.99))}" if honest else "")
-            print(f"  {kind:<20}" + "".join(f"{c:>10}" for c in cells) + f"  {ttft[0]:>24}  {ttft[1]:>12}")
+            print((f"  {kind:<20}" + "".join(f"{c:>10}" for c in cells) + f"  {ttft[0]:>24}  {ttft[1]:>12}").rstrip())
             for name, value in (("5xx outside a fault window", len(failed) - inside),
                                 ("unclear", count["unclear"]), ("lost or hung", count["lost"]),
                                 ("leaked", count["leak"])):
@@ -852,7 +852,7 @@ def report(soak: Soak, idle: dict, after: dict, back: bool, values: dict[str, fl
         down = [r for r in fault.probes if fault.healthy_at is None or r.started < fault.healthy_at]
         ok = sum(r.outcome == "answered" for r in down)
         print(f"    {fault.how} {fault.worker:<8} healthy after {recovered:>8}; text probes {ok}/{len(down)} "
-              f"answered while down {fault.note}")
+              f"answered while down {fault.note}".rstrip())
         if fault.healthy_at is None:
             problems.append(f"{fault.how} {fault.worker}: /health never 200 again")
         if fault.worker in ("encoder", "talker") and (not down or ok < len(down)):
