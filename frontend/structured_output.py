@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -29,6 +30,9 @@ from frontend.tool_calls import ToolSpecError, tool_call_grammar
 
 # Specs' outcomes (compiled, refused and why) remembered per frontend by digest.
 KNOWN_SPECS = 4096
+# A client whose compile ran past its deadline may not take the last free slot for this many
+# deadlines: long enough that retrying a fresh slow schema at once does not pay.
+SLOW_COOLDOWN_DEADLINES = 6
 # Compiles at once when no server config says otherwise (ServerConfig.max_grammar_compiles).
 MAX_COMPILING = 2
 
@@ -169,6 +173,10 @@ class GrammarChecker:
         # digest -> None (compiled) or why it is refused.
         self._known: OrderedDict[bytes, Refusal | None] = OrderedDict()
         self._compiling: dict[bytes, SharedCompile] = {}
+        # Clients and tenants whose compile ran past its deadline lately, until when: they may
+        # not take the last free slot, so two clients sending fresh slow schemas cannot hold
+        # every slot between them (oldest first; all wait the same, so expiry is in order).
+        self._slow_until: OrderedDict[str, float] = OrderedDict()
 
     @classmethod
     def for_server(cls, config, tokenizer, vocab_size: int) -> "GrammarChecker":
@@ -188,11 +196,13 @@ class GrammarChecker:
         else:
             compiling = self._compiling.get(key)
             if compiling is None or compiling.stopped:
+                self._refuse_last_slot_to_slow(requester)
                 try:
                     slot = self.shares.take(requester)
                 except ShareExhausted as exc:
                     raise GrammarBusy(str(exc)) from None
-                compiling = self._compiling[key] = SharedCompile(asyncio.create_task(self._compile(key, spec)))
+                compiling = self._compiling[key] = SharedCompile(asyncio.create_task(
+                    self._compile(key, spec, requester)))
                 # Released when the compile ends however it ends, even cancelled before it ran.
                 compiling.task.add_done_callback(lambda _: (slot.release(), self._ended(key, compiling)))
             refusal = await compiling.outcome()
@@ -200,11 +210,13 @@ class GrammarChecker:
             message = refusal.message if refusal.code == "invalid_grammar" else f"the {param} {refusal.message}"
             raise InvalidInput(message, refusal.code, param)
 
-    async def _compile(self, key: bytes, spec: StructuredOutput) -> Refusal | None:
+    async def _compile(self, key: bytes, spec: StructuredOutput, requester: Requester) -> Refusal | None:
         try:
             outcome = await self.workers.compile(spec, self.deadline_s)
         except WorkersUnavailable as exc:
             raise GrammarBusy(f"structured output is unavailable for a moment ({exc}); retry shortly") from None
+        if outcome.refusal == "timeout":
+            self._mark_slow(requester)
         refusal = _refusal_of(outcome, self.deadline_s)
         # A worker that died on a spec is not held against the spec: it may have died of
         # something else (the kernel's OOM killer, a signal).
@@ -213,6 +225,28 @@ class GrammarChecker:
             if len(self._known) > KNOWN_SPECS:
                 self._known.popitem(last=False)
         return refusal
+
+    def _slow_names(self, requester: Requester) -> list[str]:
+        return [name for name in (f"client:{requester.client}" if requester.client else "",
+                                  f"tenant:{requester.tenant}" if requester.tenant else "") if name]
+
+    def _mark_slow(self, requester: Requester) -> None:
+        now = time.monotonic()
+        while self._slow_until and next(iter(self._slow_until.values())) <= now:
+            self._slow_until.popitem(last=False)
+        for name in self._slow_names(requester):
+            self._slow_until.pop(name, None)
+            self._slow_until[name] = now + SLOW_COOLDOWN_DEADLINES * self.deadline_s
+        while len(self._slow_until) > KNOWN_SPECS:
+            self._slow_until.popitem(last=False)
+
+    def _refuse_last_slot_to_slow(self, requester: Requester) -> None:
+        if self.shares.held < self.shares.total - 1:
+            return
+        now = time.monotonic()
+        if any(self._slow_until.get(name, 0.0) > now for name in self._slow_names(requester)):
+            raise GrammarBusy("a schema from this client (or API key) did not compile within its deadline lately: "
+                              "until that passes it may not take the last free compile slot; try again shortly")
 
     def _ended(self, key: bytes, compiling: SharedCompile) -> None:
         if self._compiling.get(key) is compiling:

@@ -48,6 +48,7 @@ async def checker(shared_checker):
     checker = shared_checker
     checker.deadline_s, checker.shares = 0.5, shares()
     checker._known.clear()
+    checker._slow_until.clear()
     yield checker
     # A compile the test left is cancelled, and a last small compile goes through the
     # server, so its replacements of killed workers are done before the next test looks.
@@ -235,3 +236,20 @@ async def test_with_tenants_apart_a_spec_one_tenant_compiled_is_compiled_anew_fo
             checker.workers.compile = original
     finally:
         checker.per_tenant = False
+
+
+async def test_a_client_whose_compile_ran_past_its_deadline_may_not_take_the_last_free_slot(checker):
+    def slow(name: str) -> StructuredOutput:
+        return StructuredOutput("json_schema", SLOW.spec.replace("p0", name))
+
+    await refused(checker, slow("a1"), A, "grammar_too_complex")
+    # C's compile holds one of the two slots: A's fresh slow schema may not take the last one,
+    # so two clients cannot hold every slot between them with ever-new slow schemas.
+    holding = asyncio.create_task(refused(checker, slow("c1"), C, "grammar_too_complex"))
+    await until(lambda: checker.compiling == 1)
+    with pytest.raises(GrammarBusy, match="last free"):
+        await checker.check(slow("a2"), "guided_json", A)
+    await checker.check(regex("[0-9]+honest"), "guided_regex", B)
+    await holding
+    # With both slots free A may compile again (it is not locked out, only kept off the last).
+    await refused(checker, slow("a3"), A, "grammar_too_complex")
