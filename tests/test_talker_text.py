@@ -21,7 +21,13 @@ ANSWER_IDS = (f"answer-{n}" for n in itertools.count())
 
 
 @pytest.fixture(scope="module")
-def talker():
+def talker(talker_parts):
+    _, inputs, _, speech = talker_parts
+    return inputs, speech
+
+
+@pytest.fixture(scope="module")
+def talker_parts():
     """A loaded TalkerWorker running in a thread, and the frontend's ends of its sockets."""
     context = zmq.Context()
     inputs, outputs, speech = context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL)
@@ -32,7 +38,7 @@ def talker():
     worker.load()
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    yield inputs, speech
+    yield worker, inputs, outputs, speech
     inputs.send(protocol.encode(protocol.Shutdown()))
     thread.join(timeout=30)
     worker.close()
@@ -90,3 +96,37 @@ def test_a_voice_that_says_nothing_fails_the_talker_at_load(monkeypatch):
         for socket in sockets:
             socket.close(linger=0)
         context.term()
+
+
+def test_a_long_clause_is_spoken_while_the_talker_keeps_beating(talker_parts):
+    """A clause that takes seconds to make (a busy CPU) is work, not a hang: the talker still
+    sends its heartbeat every second, so the frontend's watchdog does not kill it."""
+    import time
+
+    worker, inputs, outputs, speech = talker_parts
+    real = worker.voice.synthesize
+
+    def slow(text, speed=1.0):
+        time.sleep(3.5)
+        return real(text, speed=speed)
+
+    worker.voice.synthesize = slow
+    try:
+        while outputs.poll(0):
+            outputs.recv()
+        request_id = next(ANSWER_IDS)
+        inputs.send(protocol.encode(protocol.SpeakText(request_id=request_id, text="Hello there.", final=True)))
+        beats = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not speech.poll(0):
+            if outputs.poll(200):
+                message = protocol.decode_output(outputs.recv())
+                if isinstance(message, protocol.Heartbeat):
+                    beats.append(time.monotonic())
+        assert speech.poll(0), "the clause was never spoken"
+        gaps = [b - a for a, b in zip(beats, beats[1:])]
+        assert len(beats) >= 3 and max(gaps) < 2.0, beats
+        while not protocol.decode_speech(speech.recv_multipart()[0]).final:
+            pass
+    finally:
+        worker.voice.synthesize = real

@@ -23,6 +23,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import msgspec
@@ -40,6 +42,8 @@ logger = logging.getLogger("antiphon.talker")
 # Answers ended here (finished, failed, cancelled) whose text may still be on its way: text
 # for them is dropped, not taken for a new answer. Bounded: the oldest are forgotten.
 CLOSED_REMEMBERED = 4096
+# A clause taking longer than this is a hung synthesis: its beats stop and the watchdog acts.
+SYNTHESIS_LIMIT_S = 120.0
 
 
 @dataclass
@@ -68,6 +72,8 @@ class TalkerWorker:
         self.answers: OrderedDict[str, SpokenAnswer] = OrderedDict()
         self.closed: OrderedDict[str, None] = OrderedDict()
         self._last_beat = 0.0
+        # Synthesis runs here, so that the loop's thread can beat while a clause is made.
+        self._synthesis = ThreadPoolExecutor(1, thread_name_prefix="synthesis")
 
     def load(self) -> None:
         from workers.speech.piper_voice import PiperVoice
@@ -138,7 +144,7 @@ class TalkerWorker:
         self.answers.move_to_end(request_id)  # round robin: the others go first next time
         clause = answer.clauses.pop(0)
         try:
-            audio = self.voice.synthesize(clause, speed=answer.speed)
+            audio = self._beating_while(self.voice.synthesize, clause, speed=answer.speed)
             pcm = self._to_client_rate(answer, audio)
         except Exception as exc:  # one bad clause fails its answer, never the talker
             logger.exception("synthesis failed for %s", request_id)
@@ -150,6 +156,19 @@ class TalkerWorker:
         self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, text=clause), pcm)
         if answer.text_complete and not answer.clauses:
             self._finish(request_id)
+
+    def _beating_while(self, work, *args, **kwargs):
+        """`work` on the synthesis thread while this one keeps beating: a long clause on a busy
+        CPU is work, not a hang, and the frontend's watchdog must not kill it. Past
+        SYNTHESIS_LIMIT_S the beats stop, so a synthesis that truly hangs is still caught."""
+        future = self._synthesis.submit(work, *args, **kwargs)
+        started = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
+            except FutureTimeout:
+                if time.monotonic() - started < SYNTHESIS_LIMIT_S:
+                    self._beat()
 
     def _to_client_rate(self, answer: SpokenAnswer, audio: np.ndarray) -> bytes:
         if answer.sample_rate != self.voice.sample_rate:
@@ -188,6 +207,7 @@ class TalkerWorker:
         self._last_beat = time.monotonic()
 
     def close(self) -> None:
+        self._synthesis.shutdown(wait=False, cancel_futures=True)
         for socket in (self.inputs, self.outputs, self.speech):
             socket.close(linger=0)
         self.context.term()
