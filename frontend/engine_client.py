@@ -220,22 +220,29 @@ class EngineClient:
         if self._failed:
             return
         budget = self.budgets[worker]
-        if not budget.try_spend():
-            if worker == "talker":  # voice ends; text serving goes on
-                self.voice_status = f"{reason}; restarted {budget.max_restarts} times within {budget.window_s:g} s"
+        # A successor that dies while it starts is one more restart, under the same budget:
+        # not the end of the server (or of voice) while the budget lasts.
+        while True:
+            if not budget.try_spend():
+                if worker == "talker":  # voice ends; text serving goes on
+                    self.voice_status = (f"{reason}; restarted {budget.max_restarts} times within "
+                                         f"{budget.window_s:g} s")
+                    logger.error("voice is off: %s", self.voice_status)
+                    return
+                self._fail(f"{reason}; it was restarted {budget.max_restarts} times within {budget.window_s:g} s")
                 return
-            self._fail(f"{reason}; it was restarted {budget.max_restarts} times within {budget.window_s:g} s")
-            return
-        self.restarts[worker] += 1
-        logger.warning("restarting the %s (restart %d)", worker, self.restarts[worker])
-        try:
-            await self._spawn(worker)
-        except Exception as exc:
-            if worker == "talker":
-                self.voice_status = f"the talker process could not be restarted: {exc}"
-                return
-            self._fail(f"the {worker} process could not be restarted: {exc}")
-            return
+            self.restarts[worker] += 1
+            logger.warning("restarting the %s (restart %d)", worker, self.restarts[worker])
+            try:
+                await self._spawn(worker)
+                break
+            except Exception as exc:
+                reason = f"the {worker} process could not be restarted: {exc}"
+                logger.error("%s", reason)
+                if worker == "talker":
+                    self.voice_status = reason
+                if self._closing or self._failed:
+                    return
         if not self._failed and self._running == set(self.workers):
             self.status = "ready"
 

@@ -120,6 +120,24 @@ def test_encoder_crash_does_not_spend_the_decoders_restart_budget(tiny_llama, tm
         server.stop()
 
 
+def test_a_successor_that_dies_while_it_starts_is_restarted_again(tiny_llama, tmp_path):
+    server = ServerProcess(tiny_llama, "--max-worker-restarts", "5", log_dir=tmp_path)
+    try:
+        (encoder,) = server.worker_pids("encoder")
+        os.kill(encoder, signal.SIGKILL)
+        assert wait_for(lambda: [p for p in server.worker_pids("encoder") if p != encoder], 30), server.log_text()
+        (successor,) = [p for p in server.worker_pids("encoder") if p != encoder]
+        os.kill(successor, signal.SIGKILL)  # seconds before it could say it is ready
+        assert wait_for(lambda: replaced(server, "encoder", successor) and encoder not in server.worker_pids("encoder")
+                        and get_json(server.url + "/health")[0] == 200, 120), server.log_text()
+        assert server.process.poll() is None
+        assert "encoder process could not be restarted" in server.log_text()
+        status, body = complete(server)
+        assert status == 200, body
+    finally:
+        server.stop()
+
+
 def test_encoder_beats_while_inputs_keep_arriving(tmp_path, tiny_llama):
     context = zmq.Context()
     to_encoder, from_encoder = context.socket(zmq.PUSH), context.socket(zmq.PULL)
