@@ -22,13 +22,15 @@ finishing (its stream ended, failed or was cancelled), a cancel leaves it alone,
 closing events (output_*.done, response.done) always go out and its answer joins the history.
 
 The session never stops reading its socket while work for it runs (frontend/realtime_work.py):
-events are handled in order, but a transcription, a grammar compile or templating a long
-conversation goes on while the next events are read. Conversation events (items,
-response.create, the items commits make) wait for the conversation work before them; session
-and audio events wait only for theirs, so a session.update, input_audio_buffer.append or .clear
-is handled while a turn is still being recognized; a response.cancel is handled at once
-(unless it names no response and follows a response.create of its own still waiting, which it
-then waits for, as it always did). At most max_queued_events events wait at once.
+events are handled, and answered, in order, but a transcription (which waits on the encoder
+and on every other client's clips) and the turn detector's model go on while the next events
+are read. Meanwhile, conversation events (items, response.create, the items commits make) wait
+for the conversation's work before them; session and audio events wait only for theirs, so a
+session.update, input_audio_buffer.append or .clear is handled while a turn is still being
+recognized; a response.cancel is handled at once (unless it names no response and follows a
+response.create of its own still waiting, which it then waits for, as it always did). At most
+max_queued_events events wait at once. Templating, counting and grammar checks are bounded
+(the prompt limit, the compile deadline) and run in threads, in the events' order.
 """
 
 from __future__ import annotations
@@ -262,9 +264,7 @@ class RealtimeSession:
         _check_modalities(update, "session.output_modalities")
         candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
         _sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
-        # Only session.update changes the settings, one at a time: `candidate` holds after the
-        # compile. The conversation may change meanwhile: its budget is checked after it.
-        await off_the_socket(self._check_answer_settings(candidate, "session"))
+        await self._check_answer_settings(candidate, "session")
         # Instructions are templated into every response, like the items: they share the budget.
         grown = _text_bytes(candidate["instructions"]) - _text_bytes(self.session["instructions"])
         if self.conversation_bytes + grown > self.config.max_conversation_bytes:
@@ -598,8 +598,8 @@ class RealtimeSession:
     async def on_response_create(self, event: ResponseCreate, barge_ins: int | None = None) -> None:
         """Starts a response. `barge_ins`: self.barge_ins when it was asked for; speech that
         started since then cancels it as it starts (it would have been playing)."""
-        # The settings as this event found them: a session.update may land during the slow
-        # parts below.
+        # The settings as this event found them: a session.update may land while a turn this
+        # response waited for was heard.
         session = self.session
         options = event.response
         out_of_band = options.conversation == "none"
@@ -626,7 +626,7 @@ class RealtimeSession:
             items = list(self.items.values())
         params = _sampling(session, overrides, self.config.default_max_tokens, "response")
         settings = {**session, **overrides}
-        constraint = await off_the_socket(self._check_answer_settings(settings, "response"))
+        constraint = await self._check_answer_settings(settings, "response")
         if constraint is not None:
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         if "response.output_text.logprobs" in (settings["include"] or ()):
@@ -646,7 +646,7 @@ class RealtimeSession:
             raise InvalidInput(str(exc), exc.code) from None
         try:
             # Templated only once admitted: a flood of requests costs no template work.
-            prompt = await off_the_socket(self.state.generation.chat_prompt(messages, tools))
+            prompt = await self.state.generation.chat_prompt(messages, tools)
         except BaseException:
             lease.release()
             raise
@@ -697,7 +697,7 @@ class RealtimeSession:
         if new_instructions:
             texts.append(instructions)
         if texts:
-            counts = await off_the_socket(anyio.to_thread.run_sync(_least_tokens, generation, texts))
+            counts = await anyio.to_thread.run_sync(_least_tokens, generation, texts)
             for item, count in zip(uncounted, counts):
                 if self.items.get(item["id"]) is item:  # not deleted or evicted meanwhile
                     self.item_tokens[item["id"]] = count

@@ -3,11 +3,12 @@ holding up the session's socket.
 
 The receive loop hands an event's handling to an `OrderedWork` and waits for it while it is
 quick, as if the handler were awaited in place (so a response.create has started its response
-before the next event is read). A handler that awaits something slow (a transcription, a
-grammar compile, templating or counting a long conversation) wraps that await in
-`off_the_socket`: from then on the loop goes back to reading, so WebSocket pings are answered,
-events are rate-limited, and events that do not depend on the slow work are handled. Work
-handed over meanwhile waits its turn, and `close` cancels and awaits all of it.
+before the next event is read, and replies keep the events' order). A handler that awaits
+something with no bound of its own (a transcription waits on the encoder and on every other
+client's clips) wraps that await in `off_the_socket`: from then on the loop goes back to
+reading, so WebSocket pings are answered, events are rate-limited, and events that do not
+depend on the slow work are handled. Work handed over meanwhile waits its turn, and `close`
+cancels and awaits all of it.
 
 Why the loop must keep reading: the WebSocket server reads the next frame (a pong included)
 only when the application asks for the next message; a session that waits out a busy encoder
