@@ -114,6 +114,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                                              config.max_prompt_tokens, state.metrics, adapter, config.media_limits(),
                                              state.client.ready["decoder"].encoder_budget)
         state.grammar_checker = GrammarChecker.for_server(config, tokenizer, state.client.ready["decoder"].vocab_size)
+        state.grammar_checker.start_soon()
         state.logprob_formatter = LogprobFormatter(tokenizer)
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "

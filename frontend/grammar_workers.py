@@ -139,6 +139,7 @@ class GrammarWorkers:
         self._waiting: dict[int, tuple[asyncio.subprocess.Process, asyncio.Future]] = {}
         self._failed_at = float("-inf")
         self.server_pid: int | None = None
+        self._warming: asyncio.Future | None = None
 
     async def compile(self, spec: StructuredOutput, deadline_s: float) -> Outcome:
         process = await self._started()
@@ -166,6 +167,17 @@ class GrammarWorkers:
             raise
         finally:
             self._waiting.pop(job, None)
+
+    def start_soon(self) -> None:
+        """Starts the compile server in the background (at the server's start), so that the
+        first constrained requests do not each hold a compile slot through its cold start."""
+        async def start() -> None:
+            try:
+                await self._started()
+            except WorkersUnavailable:
+                pass  # logged by _start; the first check tries again
+
+        self._warming = asyncio.ensure_future(start())
 
     async def _started(self) -> asyncio.subprocess.Process:
         process = self._process

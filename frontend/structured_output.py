@@ -257,6 +257,9 @@ class GrammarChecker:
         """Compiles in flight (each holds a share slot and a worker process)."""
         return self.shares.held
 
+    def start_soon(self) -> None:
+        self.workers.start_soon()
+
     async def close(self) -> None:
         await self.workers.close()
 
