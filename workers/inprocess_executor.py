@@ -17,7 +17,7 @@ from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
-from workers import kv_cache_dtype
+from workers import kv_cache_dtype, onednn_primitives
 from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner
@@ -38,6 +38,9 @@ class InProcessExecutor:
         model_config = AutoConfig.from_pretrained(path)
         self.model_max_len = model_config.get_text_config().max_position_embeddings
         device = resolve_device(config.device)
+        if device.type == "cpu":
+            # Before the weights are packed: the caches take their capacity then.
+            onednn_primitives.bound_primitive_caches()
         dtype = resolve_dtype(config.dtype, model_config, device)
         served_len = config.max_model_len if config.max_model_len is not None else self.model_max_len
         self.attention_backend = resolve_attention_backend(config.attention_backend, device)
