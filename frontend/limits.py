@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import time
 from urllib.parse import urlsplit
@@ -45,7 +46,21 @@ def cache_salt(config: ServerConfig, presented: str | None) -> str | None:
 def requester_of(config: ServerConfig, presented: str | None, scope) -> Requester:
     """Who sends this request: the tenant counts only when the server has several keys."""
     tenant = tenant_of(matching_key(config, presented)) if config.counts_tenants() else ""
-    return Requester(tenant=tenant, client=client_address(scope))
+    return Requester(tenant=tenant, client=share_holder(client_address(scope)))
+
+
+def share_holder(address: str) -> str:
+    """The client a fair share counts: an IPv4 address, or an IPv6 address's /64 (one host
+    usually holds a whole /64 and could take a new address for every request)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
 def bearer_token(authorization: str | None) -> str | None:

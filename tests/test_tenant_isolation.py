@@ -264,3 +264,12 @@ def test_one_tenant_cannot_take_every_transcription_slot(voice_tenants):
     assert results["a1"][0] == 200 and results["b"][0] == 200, results
     assert "france" in json.loads(results["b"][1])["text"].lower()
     assert metric(voice_tenants, "antiphon_voice_transcriptions_held") == 0
+
+
+def test_a_share_counts_an_ipv6_client_by_its_64_so_new_addresses_do_not_escape_it():
+    from frontend.limits import share_holder
+
+    assert share_holder("2001:db8:1:2::5") == share_holder("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert share_holder("2001:db8:1:3::5") != share_holder("2001:db8:1:2::5")
+    assert share_holder("::ffff:10.0.0.1") == share_holder("10.0.0.1") == "10.0.0.1"
+    assert share_holder("") == ""
