@@ -26,6 +26,7 @@ from engine import protocol
 from engine.config import EngineConfig
 from engine.input_processor import to_request
 from engine.warm_up import warm_up
+from workers import heap
 from workers.process_guard import run_worker, start_worker_process
 
 logger = logging.getLogger("antiphon.decoder")
@@ -65,6 +66,8 @@ class DecoderWorker:
         # Requests that have not produced a token yet.
         self._awaiting_first: set[str] = set()
         self._last_sent = time.monotonic()
+        # Whether steps ran since the work last drained (workers/heap.py).
+        self._stepped = False
 
     def load(self) -> None:
         from engine.core import EngineCore
@@ -99,6 +102,7 @@ class DecoderWorker:
                     return
                 timeout = 0
             if self.core.has_unfinished_requests:
+                self._stepped = True
                 gave_first_tokens = self._step()
                 timeout = self.handoff_ms if gave_first_tokens else 0
                 if self.core.last_step_was_empty:
@@ -107,6 +111,10 @@ class DecoderWorker:
                     timeout = GRAMMAR_POLL_MS if self.core.scheduler.waiting_on_grammar else WAIT_FOR_ENCODER_MS
             else:
                 timeout = IDLE_POLL_MS
+                if self._stepped:
+                    # The work drained: what its steps freed goes back to the system.
+                    self._stepped = False
+                    heap.trim()
                 if self.remote_encoder is not None:
                     self.remote_encoder.poll()  # late embeddings of requests that ended: nobody needs them
             # Sent from this loop, never from a side thread: a loop that hangs stops beating.
