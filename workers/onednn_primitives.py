@@ -8,8 +8,9 @@ torch's glue to it (ideep) keeps another cache beside it, 1024 entries each by d
 primitive holds its JIT-compiled kernels, about half a MiB for a linear layer's product
 whatever its size. A server's steps take whatever row counts the load makes (every decode batch
 size, every prompt length up to the token budget), so with those defaults the decoder grew by
-about 2.5 MiB for each new row count of a five-shape model, towards 0.5-0.9 GiB: the soak's
-RSS verdict failed (issue 29; tests/test_onednn_primitives.py measures it).
+half a MiB per product shape for each new row count, towards 0.5-0.9 GiB: the soak's RSS verdict
+failed (issue 29). tests/test_onednn_primitives.py measures it: 2.3 MiB per new prompt length
+of a tiny Llama unbounded.
 
 The bound keeps what saves work. Each layer of a step calls the same products as the layer
 before it, so the caches must hold one whole step's primitives, or every layer makes them
