@@ -131,3 +131,11 @@ def test_bf16_keeps_the_bias_in_float32():
         linear.weight.zero_()
     out = PackedLinear(linear, torch.bfloat16)(torch.randn(2, 8))
     torch.testing.assert_close(out, torch.full((2, 4), 1000.123))
+
+
+def test_modes_that_compute_in_bfloat16_are_refused_at_start_where_onednn_cannot(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "can_pack_bf16", lambda: False)
+    for mode in ("bf16", "int4", "int8"):
+        with pytest.raises(ValueError, match="use quantization none"):
+            cpu_linear.resolve_quantization(mode, torch.device("cpu"))
+    assert cpu_linear.resolve_quantization("auto", torch.device("cpu")) in ("none", "bf16")

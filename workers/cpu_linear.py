@@ -67,6 +67,13 @@ def can_pack() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+def can_pack_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU: it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT, and every CPU mode but exact has a bfloat16 product (the layers, the 4-bit
+    layers' copy for prompt rows, the output matrix)."""
+    return can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without them oneDNN emulates bfloat16, slower than float32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
@@ -87,6 +94,9 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
                              "(use --dtype float32, or quantization none)")
         if requested in ("bf16", "int4") and not can_pack():
             raise ValueError(f"quantization={requested} needs oneDNN (torch.backends.mkldnn), not available here")
+        if not can_pack_bf16():
+            raise ValueError(f"quantization={requested} computes in bfloat16 through oneDNN, which this CPU cannot "
+                             "(it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); use quantization none")
         if requested == "int4" and not kernel_available():
             raise ValueError("quantization=int4 needs torch's 4-bit CPU kernel (_weight_int4pack_mm_for_cpu), "
                              "missing from this torch build")
