@@ -163,12 +163,18 @@ def test_metrics_want_an_api_key_when_keys_are_set(vlm_server):
 def test_text_is_served_while_the_encoder_restarts(vlm_server):
     (encoder,) = vlm_server.worker_pids("encoder")
     os.kill(encoder, signal.SIGKILL)
-    assert wait_for(lambda: encoder not in vlm_server.worker_pids("encoder"), timeout=10)
+    # The killed process vanishes from pgrep before the front end reaps it: wait for the front
+    # end to know (its /health turns 503 with the reason), or an image request could still
+    # reach the dead encoder and fail with the crash, as it would for any user in that instant.
+    assert wait_for(lambda: get_json(vlm_server.url + "/health")[0] == 503, timeout=10)
     # At once, while the encoder is down or loading: text needs only the decoder.
     status, answer = post_json(vlm_server.url + "/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2},
                                auth(KEY_A))
     assert status == 200, answer
+    # The answer came while the successor was still loading (it imports torch and the tower).
+    health, body = get_json(vlm_server.url + "/health")
+    assert health == 503 and "encoder" in body["reason"], body
     assert wait_for(lambda: get_json(vlm_server.url + "/health")[0] == 200, timeout=60)
     status, answer = post_json(vlm_server.url + "/v1/chat/completions", image_body(12, "After."), auth(KEY_A))
     assert status == 200, answer
