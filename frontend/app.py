@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from frontend.admission import Admission
 from frontend.engine_client import EngineClient
 from frontend.generation import GenerationService
+from frontend.heap_trimmer import trim_while_serving
 from frontend.host_guard import HostGuard
 from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
                              key_from_subprotocols, origin_allowed, requester_of)
@@ -116,6 +117,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.grammar_checker = GrammarChecker.for_server(config, tokenizer, state.client.ready["decoder"].vocab_size)
         state.grammar_checker.start_soon()
         state.logprob_formatter = LogprobFormatter(tokenizer)
+        heap_trimmer = asyncio.create_task(trim_while_serving(), name="heap-trimmer")
         host = f"[{config.host}]" if ":" in config.host else config.host
         logger.info("serving %s on http://%s:%d/ (chat page), ws://%s:%d/v1/realtime, "
                     "http://%s:%d/v1/chat/completions, /v1/completions%s", state.model_name, host, config.port, host,
@@ -124,6 +126,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         try:
             yield
         finally:
+            heap_trimmer.cancel()
             await state.grammar_checker.close()
             await state.client.shutdown()
 

@@ -8,6 +8,10 @@ a decoder kept its busiest step's peak after the load had gone (the soak's decod
 ~130 MiB above its idle size after 3 minutes of 300 clients, none of it in use; issue 29).
 `trim` returns it; the next burst maps what it needs again (page faults only for the memory
 it uses), so the decoder does it once each time its last request ends, not between steps.
+
+The front end never drains under steady traffic, so it asks instead how much free memory the
+heap keeps (`free_bytes`) and trims when that is large (frontend/heap_trimmer.py), and it
+keeps its threads to few arenas (`limit_arenas`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,49 @@ def _malloc_trim():
     function.argtypes = [ctypes.c_size_t]
     function.restype = ctypes.c_int
     return function
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (2.33+): every field a size_t.
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = []
+    function.restype = _MallInfo2
+    return function
+
+
+def free_bytes() -> int | None:
+    """Bytes the heap holds free (every arena's free chunks), or None where the C library
+    cannot say (glibc before 2.33, musl, macOS)."""
+    function = _mallinfo2()
+    return None if function is None else function().fordblks
+
+
+# mallopt's parameter number for the arena count (glibc's malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_arenas(count: int) -> bool:
+    """Caps the heap's arenas for the threads started from now on; False where it cannot.
+
+    glibc gives threads up to 8 arenas per core, each keeping its own free memory: a process
+    whose threads take turns with large short-lived buffers (the front end's thread pool
+    tokenizing and decoding uploads) keeps a peak per arena instead of one peak."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_ARENA_MAX, count))
+    except (OSError, AttributeError):
+        return False
 
 
 def trim() -> bool:
