@@ -72,9 +72,12 @@ class EncodeItems(msgspec.Struct, tag="encode"):
 
 
 class TranscribeAudio(msgspec.Struct, tag="transcribe"):
-    """Frontend -> encoder: recognize one clip (the next frame: float32 samples at 16 kHz)."""
+    """Frontend -> encoder: recognize one clip (the next frame: float32 samples at 16 kHz).
+    `owner`: who it is for (tenant and client address), so the recognizer serves each owner's
+    clips fairly beside the others' (workers/speech/fair_queue.py)."""
 
     request_id: str
+    owner: str = ""
 
 
 EncoderInput = RegisterItems | ReleaseItems | EncodeItems | TranscribeAudio | Shutdown

@@ -471,7 +471,7 @@ class EngineClient:
 
         future.add_done_callback(clip_done)
         try:
-            header = protocol.encode(protocol.TranscribeAudio(request_id))
+            header = protocol.encode(protocol.TranscribeAudio(request_id, owner=f"{requester.tenant}/{requester.client}"))
             await self._send("encoder", [header, np.ascontiguousarray(samples, dtype=np.float32).data])
         except BaseException:
             future.cancel()  # the clip never reached the encoder

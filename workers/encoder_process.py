@@ -136,7 +136,7 @@ class EncoderWorker:
         if isinstance(message, protocol.Shutdown):
             return False
         if isinstance(message, protocol.TranscribeAudio):
-            self._take_clip(message.request_id, frames[1:])
+            self._take_clip(message.request_id, message.owner, frames[1:])
             return True
         if self.encoder is None:
             return True
@@ -206,7 +206,7 @@ class EncoderWorker:
                 self.outputs.send(protocol.encode(protocol.CacheChanges(added, evicted)))
             self._send_stats()  # /metrics follows each batch, not only the heartbeat
 
-    def _take_clip(self, request_id: str, frames) -> None:
+    def _take_clip(self, request_id: str, owner: str, frames) -> None:
         import numpy as np
 
         error = None
@@ -221,7 +221,7 @@ class EncoderWorker:
         if error is not None:
             self.outputs.send(protocol.encode(protocol.AudioTranscript(request_id=request_id, error=error)))
         else:
-            self.transcriber.submit(request_id, samples)
+            self.transcriber.submit(request_id, samples, owner)
 
     def _send(self, message: protocol.ItemEmbeddings) -> None:
         self.embeddings.send(protocol.encode(message))

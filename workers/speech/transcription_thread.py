@@ -4,14 +4,14 @@ A 30-second clip takes a second or more of Whisper on a CPU (tens of seconds on 
 one); run inline, it would hold up every image embedding the decoder waits for and the
 heartbeats that tell the frontend the encoder lives. Torch releases the GIL while it
 computes, so a thread is enough. The thread has its own ZeroMQ socket to the frontend
-(sockets are not shared across threads). A clip that waited longer than `max_wait_s` is
+(sockets are not shared across threads). Clips wait in a fair queue (fair_queue.py): one
+client's backlog does not hold up the others'. A clip that waited longer than `max_wait_s` is
 answered with an error instead of being recognized for a client that has given up.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 
@@ -19,6 +19,9 @@ import numpy as np
 import zmq
 
 from engine import protocol
+from workers.speech.fair_queue import FairQueue
+
+SAMPLE_RATE = 16_000
 
 logger = logging.getLogger("antiphon.encoder")
 
@@ -29,15 +32,17 @@ class TranscriptionThread:
         self.context = context
         self.output_address = output_address
         self.max_wait_s = max_wait_s
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs = FairQueue()
         self.thread = threading.Thread(target=self._run, name="speech-recognition", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, samples: np.ndarray) -> None:
-        self.jobs.put((request_id, samples, time.monotonic()))
+    def submit(self, request_id: str, samples: np.ndarray, owner: str = "") -> None:
+        """`owner`: who the clip is for (the front end's tenant and client); clips of different
+        owners share the recognizer's time equally."""
+        self.jobs.put(owner, len(samples) / SAMPLE_RATE, (request_id, samples, time.monotonic()))
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        self.jobs.stop()
         self.thread.join(timeout=5)
 
     def _run(self) -> None:

@@ -1,0 +1,105 @@
+"""The recognizer shares its time fairly between clients: one client's flood of long uploads
+does not hold up another client's short voice turn (workers/speech/fair_queue.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import zmq
+
+from engine import protocol
+from workers.speech.fair_queue import FairQueue
+
+
+def test_a_new_client_waits_for_the_clip_in_service_not_for_the_backlog():
+    queue = FairQueue()
+    for index in range(10):
+        queue.put("flood", 30.0, f"flood-{index}")
+    assert queue.get() == "flood-0"  # in service when the honest clip arrives
+    queue.put("honest", 2.0, "honest-0")
+    assert queue.get() == "honest-0"
+    assert [queue.get() for _ in range(9)] == [f"flood-{index}" for index in range(1, 10)]
+
+
+def test_backlogged_clients_share_the_recognizer_by_audio_seconds():
+    queue = FairQueue()
+    for index in range(6):
+        queue.put("long", 30.0, ("long", 30.0))
+    for index in range(18):
+        queue.put("short", 10.0, ("short", 10.0))
+    served = {"long": 0.0, "short": 0.0}
+    for _ in range(12):
+        owner, seconds = queue.get()
+        served[owner] += seconds
+        # Never more than one clip apart while both have clips waiting.
+        assert abs(served["long"] - served["short"]) <= 30.0, served
+    assert served == {"long": 90.0, "short": 90.0}
+
+
+def test_within_one_client_clips_keep_their_order():
+    queue = FairQueue()
+    for index in range(5):
+        queue.put("one", float(5 - index), index)
+    assert [queue.get() for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_owners_with_nothing_waiting_are_forgotten():
+    queue = FairQueue()
+    for index in range(1000):
+        queue.put(f"client-{index}", 1.0, index)
+        queue.get()
+    assert len(queue._finish) <= 1 and len(queue) == 0
+
+
+def test_stop_wakes_a_waiting_recognizer():
+    queue = FairQueue()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(queue.get()))
+    waiter.start()
+    queue.stop()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and got == [None]
+
+
+def test_the_recognizer_thread_answers_a_short_clip_before_a_flood_of_long_ones():
+    """Whisper itself: a flood's 20 s clips queued first, another client's 1 s clip after."""
+    from workers.speech.recognizer import SpeechRecognizer
+    from workers.speech.transcription_thread import TranscriptionThread
+
+    recognizer = SpeechRecognizer(None)
+    context = zmq.Context()
+    outputs = context.socket(zmq.PULL)
+    port = outputs.bind_to_random_port("tcp://127.0.0.1")
+    # A recognizer thread that has not started on the flood yet: the first clip goes in
+    # service only when every clip has been submitted (as when they arrive in one burst).
+    gate = threading.Event()
+    original = recognizer.transcribe
+
+    def transcribe(samples):
+        gate.wait(timeout=30)
+        return original(samples)
+
+    recognizer.transcribe = transcribe
+    thread = TranscriptionThread(recognizer, context, f"tcp://127.0.0.1:{port}", max_wait_s=600)
+    rng = np.random.default_rng(0)
+    try:
+        for index in range(4):
+            thread.submit(f"flood-{index}", (0.01 * rng.standard_normal(20 * 16_000)).astype(np.float32),
+                          "tenant-b/127.0.0.200")
+        thread.submit("honest", (0.01 * rng.standard_normal(16_000)).astype(np.float32), "tenant-a/127.0.0.10")
+        gate.set()
+        answered = []
+        for _ in range(2):
+            assert outputs.poll(120_000), answered
+            answer = protocol.decode_output(outputs.recv())
+            assert answer.error is None, answer
+            answered.append(answer.request_id)
+        # flood-0 was taken (the thread was waiting at the gate with it); the short clip is next.
+        assert answered == ["flood-0", "honest"]
+    finally:
+        gate.set()
+        thread.stop()
+        thread.thread.join(timeout=120)  # the clip in service ends; its socket closes
+        outputs.close(linger=0)
+        context.term()
