@@ -57,6 +57,8 @@ TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.d
 # The metadata key by which `create_response` knows its own response among those server VAD
 # starts (the server echoes a response.create's metadata in its response.created).
 OWN_RESPONSE_KEY = "antiphon_client_request"
+# The server's bound on a response's metadata (OpenAI's): the SDK's key takes one of them.
+MAX_METADATA_KEYS = 16
 
 
 class RealtimeError(Exception):
@@ -225,11 +227,15 @@ class RealtimeClient:
         """Add `messages` ({"role", "content"}) to the conversation, then start a response.
         Its metadata carries one more key, OWN_RESPONSE_KEY: a response server VAD starts
         meanwhile is never taken for this one."""
+        metadata = options.get("metadata") or {}
+        if len(metadata) >= MAX_METADATA_KEYS and OWN_RESPONSE_KEY not in metadata:
+            raise ValueError(f"metadata may hold at most {MAX_METADATA_KEYS - 1} keys here: create_response adds "
+                             f"{OWN_RESPONSE_KEY!r} to know its own response")
         for message in messages or []:
             await self.add_message(message["role"], message["content"])
         response = Response(self)
         response._tag = f"create_{next(self._ids)}"
-        options = {**options, "metadata": {**(options.get("metadata") or {}), OWN_RESPONSE_KEY: response._tag}}
+        options = {**options, "metadata": {**metadata, OWN_RESPONSE_KEY: response._tag}}
         self._pending_creates[response._tag] = response
         response._event_id = await self.send({"type": "response.create", "response": options})
         self._by_event_id[response._event_id] = response

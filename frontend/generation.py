@@ -10,7 +10,6 @@ consumer goes away (a cancelled response or a dropped connection).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 import uuid
@@ -77,7 +76,6 @@ class GenerationService:
         self.max_model_len = max_model_len
         self.max_prompt_tokens = min(max_prompt_tokens, max_model_len - 1)
         self.metrics = metrics
-        self._ids = itertools.count()
         # Templating a large conversation takes memory and a core: a few at a time.
         self._templating = asyncio.Semaphore(max(2, os.cpu_count() or 2))
         # Image decoding and preprocessing: the model's adapter (None: text only), the limits,
@@ -173,7 +171,8 @@ class GenerationService:
                 "prompt_too_long", param)
 
     def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        # Random only: a counter in the id would tell every tenant how busy the server is.
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     async def stream(self, lease: RequestLease, prompt: ChatPrompt | list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[TextChunk]:

@@ -49,6 +49,11 @@ def requester_of(config: ServerConfig, presented: str | None, scope) -> Requeste
     return Requester(tenant=tenant, client=share_holder(client_address(scope)))
 
 
+def requester_of_request(config: ServerConfig, connection) -> Requester:
+    """`requester_of` for an HTTP request or WebSocket that presents its key as a bearer token."""
+    return requester_of(config, bearer_token(connection.headers.get("authorization")), connection.scope)
+
+
 def share_holder(address: str) -> str:
     """The client a fair share counts: an IPv4 address, or an IPv6 address's /64 (one host
     usually holds a whole /64 and could take a new address for every request)."""

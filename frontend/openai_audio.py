@@ -25,7 +25,7 @@ from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.chat_audio import SPEECH_RATE
 from frontend.engine_client import EngineUnavailable, VoiceBusy
-from frontend.limits import bearer_token, requester_of
+from frontend.limits import requester_of_request
 from frontend.speech_recognition import recognized_segments
 from frontend.tenancy import Requester
 from frontend.openai_http import body_or_error, error_response
@@ -71,7 +71,7 @@ class AudioEndpoints:
         except AudioRequestError as exc:
             return error_response(exc.status, str(exc), exc.code, exc.param)
         duration = len(samples) / RECOGNIZER_RATE
-        requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
+        requester = requester_of_request(config, request)
         if options["stream"]:
             return StreamingResponse(self._stream_transcript(samples, duration, requester),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -175,8 +175,7 @@ class AudioEndpoints:
         client = self.state.client
         request_id = f"speech-{next(self._ids)}"
         try:
-            queue = client.open_speech(request_id, requester_of(config, bearer_token(request.headers.get(
-                "authorization")), request.scope))
+            queue = client.open_speech(request_id, requester_of_request(config, request))
             await client.speak(request_id, options["input"], final=True, sample_rate=SPEECH_RATE,
                                speed=options["speed"])
             # Wait for the first piece before answering: a failure then is still a clean 503.

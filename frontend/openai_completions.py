@@ -20,7 +20,7 @@ from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.generation import TextChunk
 from frontend.openai_chat import check_logit_bias
-from frontend.limits import bearer_token, cache_salt, requester_of
+from frontend.limits import bearer_token, cache_salt, requester_of_request
 from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
                                   unless_disconnected, usage_of, wait_for_disconnect)
 from frontend.request_fields import decode_request
@@ -77,7 +77,7 @@ class Completions:
         check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         constraint = body.constraint(config.max_grammar_bytes)
         if constraint is not None:
-            requester = requester_of(config, bearer_token(request.headers.get("authorization")), request.scope)
+            requester = requester_of_request(config, request)
             await state.grammar_checker.check(*constraint, requester)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         prompts = await anyio.to_thread.run_sync(self._token_ids, body.prompts(config.max_prompts_per_request))

@@ -47,3 +47,20 @@ async def test_a_response_started_by_server_vad_is_never_handed_to_create_respon
     assert (theirs.id, theirs.text) == ("resp_vad", "answer to the spoken turn")
     # The caller's own metadata went out with the SDK's tag beside it.
     assert mine.raw["metadata"]["topic"] == "weather"
+
+
+async def test_create_response_refuses_metadata_with_no_room_for_its_own_key():
+    async with websockets.serve(vad_races_every_create, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        async with RealtimeClient(f"ws://127.0.0.1:{port}") as client:
+            full = {f"key{index}": "value" for index in range(16)}
+            try:
+                await client.create_response(metadata=full)
+            except ValueError as exc:
+                assert "at most 15 keys" in str(exc)
+            else:
+                raise AssertionError("16 keys of the caller's were sent on, and the server refuses 17")
+            # 15 keys and the SDK's fit the server's bound.
+            mine = await asyncio.wait_for(client.create_response(metadata=dict(list(full.items())[:15])), 5)
+            await asyncio.wait_for(mine.wait(), 5)
+    assert len(mine.raw["metadata"]) == 16
