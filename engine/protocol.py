@@ -203,6 +203,9 @@ class AudioTranscript(msgspec.Struct, tag="transcript", kw_only=True):
     audio_seconds: float = 0.0
     seconds: float = 0.0
     error: str | None = None
+    # The clip waited past its deadline behind other clips and was not recognized: the
+    # client may retry (429), the encoder is fine.
+    busy: bool = False
 
 
 class SpeechAudio(msgspec.Struct, tag="speech_audio", kw_only=True):

@@ -541,7 +541,7 @@ class RealtimeSession:
             if not heard:
                 failure = ("input_audio_no_speech", "no speech was heard in the committed audio")
         except EngineUnavailable as exc:
-            failure = ("engine_unavailable", str(exc))
+            failure = ("voice_busy" if isinstance(exc, VoiceBusy) else "engine_unavailable", str(exc))
         if failure is not None:
             code, message = failure
             if reporting:

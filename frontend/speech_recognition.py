@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from engine.audio_windows import NO_SPEECH_THRESHOLD, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S, recognition_windows
-from frontend.engine_client import EngineUnavailable
+from frontend.engine_client import EngineUnavailable, VoiceBusy
 from frontend.tenancy import ANONYMOUS, Requester
 
 
@@ -19,6 +19,8 @@ async def recognized_segments(client, samples16k: np.ndarray,
     windows = recognition_windows(samples16k, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S)
     for index, (start, end) in enumerate(windows):
         transcript = await client.transcribe(samples16k[start:end], requester)
+        if transcript.busy:
+            raise VoiceBusy(f"speech recognition is busy: {transcript.error}")
         if transcript.error is not None:
             raise EngineUnavailable(f"speech recognition failed: {transcript.error}")
         # `not <=`: a NaN probability counts as silence.

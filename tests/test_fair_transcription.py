@@ -44,12 +44,44 @@ def test_within_one_client_clips_keep_their_order():
     assert [queue.get() for _ in range(5)] == [0, 1, 2, 3, 4]
 
 
+def test_a_new_client_waits_for_one_turn_of_each_waiting_client_not_for_their_backlogs():
+    queue = FairQueue(quantum=30.0)
+    for owner in ("flood-a", "flood-b", "flood-c"):
+        for index in range(5):
+            queue.put(owner, 30.0, f"{owner}-{index}")
+    served = [queue.get() for _ in range(4)]  # a few rounds in
+    queue.put("honest", 8.0, "honest-0")
+    ahead = []
+    while (job := queue.get()) != "honest-0":
+        ahead.append(job)
+    # At most one clip of each of the three floods goes first.
+    assert len(ahead) <= 3 and len({job.rsplit("-", 1)[0] for job in ahead}) == len(ahead), (served, ahead)
+
+
 def test_owners_with_nothing_waiting_are_forgotten():
     queue = FairQueue()
     for index in range(1000):
         queue.put(f"client-{index}", 1.0, index)
         queue.get()
-    assert len(queue._finish) <= 1 and len(queue) == 0
+    assert queue.owners() == 0 and len(queue) == 0
+
+
+def test_a_clip_longer_than_a_quantum_is_still_served():
+    queue = FairQueue(quantum=8.0)
+    queue.put("long", 30.0, "long")
+    queue.put("short", 8.0, "short")
+    assert queue.get() == "long" and queue.get() == "short"
+
+
+def test_a_short_clip_costs_the_window_the_recognizer_runs():
+    from workers.speech.recognizer import SpeechRecognizer
+
+    recognizer = SpeechRecognizer(None)
+    # Whisper's encoder runs over at least eight seconds, so a flood of one-second clips
+    # costs what it takes, not one second each.
+    assert recognizer.window_seconds(1.0) == 8
+    assert recognizer.window_seconds(12.2) == 14
+    assert recognizer.window_seconds(30.0) == recognizer.max_seconds == 30
 
 
 def test_stop_wakes_a_waiting_recognizer():
@@ -103,3 +135,40 @@ def test_the_recognizer_thread_answers_a_short_clip_before_a_flood_of_long_ones(
         thread.thread.join(timeout=120)  # the clip in service ends; its socket closes
         outputs.close(linger=0)
         context.term()
+
+
+def test_a_clip_that_waited_past_its_deadline_is_refused_as_busy_not_as_a_failure():
+    """A flood's clip that waited longer than the encoder's deadline behind other clients'
+    clips: the client is told to retry (429 voice_busy), not that the engine failed (503)."""
+    import asyncio
+
+    import pytest
+
+    from frontend.engine_client import VoiceBusy
+    from frontend.speech_recognition import recognized_segments
+    from workers.speech.recognizer import SpeechRecognizer
+    from workers.speech.transcription_thread import TranscriptionThread
+
+    context = zmq.Context()
+    outputs = context.socket(zmq.PULL)
+    port = outputs.bind_to_random_port("tcp://127.0.0.1")
+    thread = TranscriptionThread(SpeechRecognizer(None), context, f"tcp://127.0.0.1:{port}", max_wait_s=-1.0)
+    try:
+        thread.submit("late", np.zeros(16_000, dtype=np.float32), "tenant-b/127.0.0.200")
+        assert outputs.poll(60_000)
+        answer = protocol.decode_output(outputs.recv())
+    finally:
+        thread.stop()
+        outputs.close(linger=0)
+        context.term()
+    assert answer.busy and "busy" in answer.error
+
+    class Encoder:
+        async def transcribe(self, samples, requester):
+            return answer
+
+    async def recognize():
+        return [segment async for segment in recognized_segments(Encoder(), np.zeros(16_000, np.float32))]
+
+    with pytest.raises(VoiceBusy):
+        asyncio.run(recognize())

@@ -4,70 +4,86 @@ First come, first served let one client's flood of 30 s uploads put every other 
 two-second voice turn behind minutes of its audio (the mixed soak's transcription flood: honest
 Realtime turns waited ~40 s). Here each client (its tenant and address, as the front end's
 fair shares count it) gets an equal share of the recognizer's time while it has clips waiting:
-start-time fair queueing, with a clip's cost its length in seconds. A client that was idle
-starts level with the others, so a new voice turn waits for at most the clip in service and
-one clip of each other waiting client, whatever their backlogs.
+deficit round robin, with a clip's cost the seconds of audio the recognizer runs for it. Each
+turn a client may spend one quantum (the longest window), so a client that sends a clip joins
+the end of the round and waits for at most the clip in service and one turn of each other
+client with clips waiting, whatever their backlogs. A client with nothing waiting is forgotten.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
+from collections import OrderedDict, deque
 
 
 class FairQueue:
-    """A thread-safe queue of (owner, cost, job) with one consumer: `get` returns the waiting
-    job with the smallest start tag, FIFO within an owner; the consumer calls it again only
-    once the job it took is done (that is how the queue knows the recognizer is idle)."""
+    """A thread-safe queue of (owner, cost, job) with one consumer: `get` returns the next
+    job in the round, FIFO within an owner."""
 
-    def __init__(self) -> None:
+    def __init__(self, quantum: float = 30.0) -> None:
+        self.quantum = quantum
         self._ready = threading.Condition()
-        self._waiting: list[tuple[float, int, float, object]] = []  # (start tag, arrival, finish tag, job)
-        self._arrivals = itertools.count()
-        # Each owner's finish tag: where its next job starts unless the queue has moved past it.
-        self._finish: dict[str, float] = {}
-        # The queue's clock: the start tag of the job taken last, moved on to its finish tag
-        # once it is done (so that the clock follows the work done, even when every job
-        # arrives alone and starts at the clock).
-        self._virtual_time = 0.0
-        self._serving: float | None = None  # the finish tag of the job being worked on
+        # Owners with clips waiting, in round order (the first's turn is on): owner -> its
+        # clips as (cost, job), oldest first.
+        self._rounds: OrderedDict[str, deque[tuple[float, object]]] = OrderedDict()
+        # Seconds the owner whose turn it is may still spend in this turn.
+        self._credit = 0.0
+        self._turn_started = False
+        # Whose clip is in service, and what is left of its turn, when that clip was its last
+        # waiting one: a clip it sends before the clip is done continues its turn instead of
+        # starting a fresh one (it did not wait, so it has no claim to a new turn).
+        self._serving: tuple[str, float] | None = None
+        self._count = 0
         self._stopped = False
 
     def put(self, owner: str, cost: float, job) -> None:
         with self._ready:
-            if not self._waiting and self._serving is None:
-                # The recognizer is idle: everyone is level again (else the tags of clients
-                # served long ago would outlive them and count against their next clip).
-                self._virtual_time = max([self._virtual_time, *self._finish.values()])
-                self._finish.clear()
-            start = max(self._virtual_time, self._finish.get(owner, 0.0))
-            finish = self._finish[owner] = start + max(cost, 0.0)
-            heapq.heappush(self._waiting, (start, next(self._arrivals), finish, job))
+            if owner not in self._rounds and self._serving is not None and self._serving[0] == owner:
+                self._rounds[owner] = deque()
+                self._rounds.move_to_end(owner, last=False)
+                self._credit, self._turn_started = self._serving[1], True
+                self._serving = None
+            self._rounds.setdefault(owner, deque()).append((max(cost, 0.0), job))
+            self._count += 1
             self._ready.notify()
 
     def get(self):
         """The next job, waiting for one; None once stopped. Calling it says the job taken
         last is done."""
         with self._ready:
-            if self._serving is not None:
-                self._virtual_time = max(self._virtual_time, self._serving)
-                self._serving = None
-            while not self._waiting and not self._stopped:
+            self._serving = None
+            while not self._rounds and not self._stopped:
                 self._ready.wait()
             if self._stopped:
                 return None
-            start, _, self._serving, job = heapq.heappop(self._waiting)
-            self._virtual_time = max(self._virtual_time, start)
-            # An owner whose work ends before now starts level with everyone anyway: forgetting
-            # it keeps this map about as small as the set of owners with work in the queue.
-            now = self._virtual_time
-            self._finish = {owner: finish for owner, finish in self._finish.items() if finish > now}
+            while True:
+                owner, clips = next(iter(self._rounds.items()))
+                cost, job = clips[0]
+                if not self._turn_started:
+                    # A clip longer than a quantum still fits in one turn: every turn serves one.
+                    self._credit, self._turn_started = max(self.quantum, cost), True
+                if cost <= self._credit:
+                    break
+                self._rounds.move_to_end(owner)  # its turn is spent: the next owner's
+                self._turn_started = False
+            clips.popleft()
+            self._count -= 1
+            self._credit -= cost
+            if not clips:
+                # Nothing waiting: forgotten, so its next clip joins the end of the round.
+                del self._rounds[owner]
+                self._serving = (owner, self._credit)
+                self._turn_started = False
             return job
 
     def __len__(self) -> int:
         with self._ready:
-            return len(self._waiting)
+            return self._count
+
+    def owners(self) -> int:
+        """Owners with clips waiting."""
+        with self._ready:
+            return len(self._rounds)
 
     def stop(self) -> None:
         with self._ready:

@@ -85,13 +85,18 @@ class SpeechRecognizer:
     def max_seconds(self) -> float:
         return float(self.max_window_s)
 
+    def window_seconds(self, seconds: float) -> int:
+        """The window the encoder runs over for a clip of `seconds` (its cost: a one-second
+        clip takes as long as an eight-second one)."""
+        return min(self.max_window_s, max(MIN_WINDOW_S, math.ceil(seconds + TAIL_PADDING_S)))
+
     def transcribe(self, audio: np.ndarray) -> Transcript:
         """`audio`: float32 mono at 16 kHz, at most `max_seconds` long."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
         seconds = len(audio) / SAMPLE_RATE
         if seconds > self.max_window_s:
             raise ValueError(f"audio of {seconds:.1f} s: this recognizer takes at most {self.max_window_s} s per clip")
-        window_s = min(self.max_window_s, max(MIN_WINDOW_S, math.ceil(seconds + TAIL_PADDING_S)))
+        window_s = self.window_seconds(seconds)
         started = time.perf_counter()
         features = self.features(audio, sampling_rate=SAMPLE_RATE, padding="max_length",
                                  max_length=window_s * SAMPLE_RATE, return_tensors="pt").input_features

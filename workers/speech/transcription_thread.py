@@ -19,9 +19,8 @@ import numpy as np
 import zmq
 
 from engine import protocol
+from engine.audio_windows import RECOGNIZER_RATE
 from workers.speech.fair_queue import FairQueue
-
-SAMPLE_RATE = 16_000
 
 logger = logging.getLogger("antiphon.encoder")
 
@@ -32,14 +31,15 @@ class TranscriptionThread:
         self.context = context
         self.output_address = output_address
         self.max_wait_s = max_wait_s
-        self.jobs = FairQueue()
+        self.jobs = FairQueue(quantum=recognizer.max_seconds)
         self.thread = threading.Thread(target=self._run, name="speech-recognition", daemon=True)
         self.thread.start()
 
     def submit(self, request_id: str, samples: np.ndarray, owner: str = "") -> None:
         """`owner`: who the clip is for (the front end's tenant and client); clips of different
         owners share the recognizer's time equally."""
-        self.jobs.put(owner, len(samples) / SAMPLE_RATE, (request_id, samples, time.monotonic()))
+        cost = self.recognizer.window_seconds(len(samples) / RECOGNIZER_RATE)
+        self.jobs.put(owner, cost, (request_id, samples, time.monotonic()))
 
     def stop(self) -> None:
         self.jobs.stop()
@@ -57,7 +57,7 @@ class TranscriptionThread:
     def _transcribe(self, request_id: str, samples: np.ndarray, arrived: float) -> protocol.AudioTranscript:
         waited = time.monotonic() - arrived
         if waited > self.max_wait_s:
-            return protocol.AudioTranscript(request_id=request_id,
+            return protocol.AudioTranscript(request_id=request_id, busy=True,
                                             error=f"the recognizer was busy for {waited:.0f} s; try again")
         started = time.perf_counter()
         try:
