@@ -127,6 +127,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             yield
         finally:
             heap_trimmer.cancel()
+            await asyncio.gather(heap_trimmer, return_exceptions=True)
             await state.grammar_checker.close()
             await state.client.shutdown()
 

@@ -304,12 +304,13 @@ def _serve(args) -> int:
         fatal.append(True)
         server.should_exit = True
 
-    # The front end is one event loop and a pool of short thread jobs: two arenas hold its
-    # peak once (workers/heap.py); a flood of uploads grew eight of them ~50 MiB and kept it
-    # (benchmarks/mixed_soak.py). Before any thread of the server starts.
+    # The front end is one event loop and a pool of short thread jobs: a few arenas hold its
+    # peak of free memory a few times, glibc's default many (on two cores a flood of uploads
+    # grew eight arenas ~50 MiB and kept it: benchmarks/mixed_soak.py). Before any thread of
+    # the server starts; MALLOC_ARENA_MAX overrides.
     from workers import heap
 
-    heap.limit_arenas(2)
+    heap.limit_arenas_unless_set(heap.arenas_for_a_front_end())
     app = build_app(server_config, engine_config, on_fatal=on_fatal)
     _raise_open_files_limit(server_config.max_connections)
     # The transport's own message cap sits above ours, so a merely oversized message gets an

@@ -57,7 +57,8 @@ TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.d
 # The metadata key by which `create_response` knows its own response among those server VAD
 # starts (the server echoes a response.create's metadata in its response.created).
 OWN_RESPONSE_KEY = "antiphon_client_request"
-# The server's bound on a response's metadata (OpenAI's): the SDK's key takes one of them.
+# The server's bound on a response's metadata (OpenAI's; frontend/realtime_events.py Metadata, not
+# imported: the SDK needs none of the server's packages): the SDK's key takes one of them.
 MAX_METADATA_KEYS = 16
 
 

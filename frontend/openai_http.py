@@ -52,10 +52,15 @@ def forget_traceback(exc: BaseException) -> None:
     frees: a flood of refused 1 MiB bodies kept ~60 MiB of dead requests alive and grew the
     front end by ~100 MiB (benchmarks/mixed_soak.py, the 1mib-body clients)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    chained = [exc]
+    while chained:
+        exc = chained.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__
+        # `raise X from Y` sets both: the exception being handled stays in __context__.
+        chained += (exc.__cause__, exc.__context__)
 
 
 def error_response(status: int, message: str, code: str, param: str | None = None,

@@ -16,7 +16,7 @@ import pytest
 
 from frontend import heap_trimmer
 from frontend.edge_decoding import InvalidInput
-from frontend.openai_http import refusal, unless_disconnected
+from frontend.openai_http import forget_traceback, refusal, unless_disconnected
 from workers import heap
 
 
@@ -52,13 +52,84 @@ def test_a_refused_request_holds_nothing_once_answered():
         gc.enable()
 
 
-def test_the_heap_is_trimmed_only_when_it_holds_much_free_memory(monkeypatch):
+def test_the_task_of_a_refused_request_holds_nothing_even_with_its_traceback(monkeypatch):
+    """unless_disconnected lets go of its task: the traceback (kept, here) does not keep the
+    request's frames in a cycle through the task."""
+    alive = []
+
+    async def plan(body: Body) -> None:
+        raise InvalidInput("the prompt is too long", "prompt_too_long", "messages")
+
+    async def handler() -> bool:
+        body = Body()
+        alive.append(weakref.ref(body))
+        gone = asyncio.get_running_loop().create_future()
+        try:
+            await unless_disconnected(gone, plan(body))
+        except InvalidInput as exc:
+            return exc.__traceback__ is not None
+        finally:
+            del body
+
+    gc.disable()
+    try:
+        assert asyncio.run(handler())
+        assert alive[0]() is None
+    finally:
+        gc.enable()
+
+
+def test_a_refusal_forgets_the_tracebacks_of_every_exception_it_chains():
+    def failing():
+        try:
+            try:
+                raise KeyError("inner")
+            except KeyError as inner:
+                raise ValueError("cause") from inner
+        except ValueError as cause:
+            raise InvalidInput("refused", "invalid_request") from cause
+
+    try:
+        failing()
+    except InvalidInput as exc:
+        refused = exc
+    chain = [refused, refused.__cause__, refused.__cause__.__context__]
+    assert all(exc.__traceback__ is not None for exc in chain)
+    forget_traceback(refused)
+    assert [exc.__traceback__ for exc in chain] == [None, None, None]
+
+
+def test_the_heap_is_trimmed_only_when_its_free_memory_grows_much(monkeypatch):
     trims = []
-    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
-    monkeypatch.setattr(heap, "free_bytes", lambda: 8 << 20)
-    assert not heap_trimmer.trim_if_mostly_free(32 << 20) and trims == []
-    monkeypatch.setattr(heap, "free_bytes", lambda: 64 << 20)
-    assert heap_trimmer.trim_if_mostly_free(32 << 20) and trims == [1]
+    free = {"bytes": 8 << 20}
+    monkeypatch.setattr(heap, "free_bytes", lambda: free["bytes"])
+
+    def trim():
+        trims.append(free["bytes"])
+        free["bytes"] = 30 << 20  # glibc still counts the pages it handed back as free
+        return True
+
+    monkeypatch.setattr(heap, "trim", trim)
+    assert heap_trimmer.trim_if_grown(0, 32 << 20) == 0 and trims == []
+    free["bytes"] = 64 << 20
+    baseline = heap_trimmer.trim_if_grown(0, 32 << 20)
+    assert trims == [64 << 20] and baseline == 30 << 20
+    # What a trim left is the mark: no trim again until the free memory grows by the threshold.
+    assert heap_trimmer.trim_if_grown(baseline, 32 << 20) == baseline and len(trims) == 1
+    free["bytes"] = 20 << 20  # the heap reused some: the mark follows it down
+    assert heap_trimmer.trim_if_grown(baseline, 32 << 20) == 20 << 20 and len(trims) == 1
+    free["bytes"] = 60 << 20
+    assert heap_trimmer.trim_if_grown(20 << 20, 32 << 20) == 30 << 20 and len(trims) == 2
+
+
+def test_an_operators_malloc_arena_max_wins(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap, "limit_arenas", lambda count: calls.append(count) or True)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    assert not heap.limit_arenas_unless_set(2) and calls == []
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    assert heap.limit_arenas_unless_set(2) and calls == [2]
+    assert 2 <= heap.arenas_for_a_front_end() <= 8
 
 
 def test_glibc_says_what_its_heap_holds_free():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.cache
@@ -75,6 +76,18 @@ def limit_arenas(count: int) -> bool:
         return bool(libc.mallopt(_M_ARENA_MAX, count))
     except (OSError, AttributeError):
         return False
+
+
+def arenas_for_a_front_end() -> int:
+    """Arenas for a process that is one event loop and a pool of short thread jobs: a quarter
+    of the cores, at least two and at most eight (glibc's own cap, eight per core, keeps a
+    peak of free memory in each of dozens of arenas; one arena makes the pool's threads queue)."""
+    return min(8, max(2, (os.cpu_count() or 1) // 4))
+
+
+def limit_arenas_unless_set(count: int) -> bool:
+    """`limit_arenas`, unless the operator chose with glibc's MALLOC_ARENA_MAX (theirs wins)."""
+    return "MALLOC_ARENA_MAX" not in os.environ and limit_arenas(count)
 
 
 def trim() -> bool:
