@@ -52,9 +52,12 @@ logger = logging.getLogger("antiphon.frontend")
 WORKER_START_TIMEOUT_S = 600.0
 WORKERS = ("encoder", "decoder")
 VOICE_WORKERS = ("encoder", "decoder", "talker")
-# A clip waits this long for its transcript before the request fails (a hung encoder is
-# caught by the watchdog sooner; this bounds a lost reply).
-TRANSCRIBE_TIMEOUT_S = 120.0
+# A clip's transcript may take the encoder's own deadline (how long a clip may wait for the
+# recognizer, --encoder-timeout) plus this long to recognize it before the request fails: the
+# encoder answers a clip that waited too long itself (429 voice_busy), and the front end's
+# deadline must not fire first. A hung encoder is caught by the watchdog sooner; this bounds a
+# lost reply.
+RECOGNITION_ALLOWANCE_S = 60.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -461,7 +464,7 @@ class EngineClient:
         # The share counts the encoder's work, not this caller's wait: a caller that gives up
         # (a client gone, speech that resumed) leaves its clip being recognized, so the slot
         # stays taken until the encoder answers, fails or the timeout passes.
-        expiry = loop.call_later(TRANSCRIBE_TIMEOUT_S, self._expire_clip, request_id)
+        expiry = loop.call_later(self.transcribe_timeout_s, self._expire_clip, request_id)
         def clip_done(done: asyncio.Future) -> None:
             slot.release()
             expiry.cancel()
@@ -481,7 +484,11 @@ class EngineClient:
     def _expire_clip(self, request_id: str) -> None:
         future = self._transcripts.pop(request_id, None)
         if future is not None and not future.done():
-            future.set_exception(EngineUnavailable(f"no transcript within {TRANSCRIBE_TIMEOUT_S:g} s"))
+            future.set_exception(EngineUnavailable(f"no transcript within {self.transcribe_timeout_s:g} s"))
+
+    @property
+    def transcribe_timeout_s(self) -> float:
+        return self.config.encoder_timeout_s + RECOGNITION_ALLOWANCE_S
 
     def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
         """A queue that receives the answer's SpeechAudio messages as (header, pcm bytes),

@@ -66,22 +66,69 @@ def test_owners_with_nothing_waiting_are_forgotten():
     assert queue.owners() == 0 and len(queue) == 0
 
 
-def test_a_clip_longer_than_a_quantum_is_still_served():
+def test_a_clip_longer_than_a_quantum_is_served_once_its_turns_add_up_to_it():
     queue = FairQueue(quantum=8.0)
     queue.put("long", 30.0, "long")
-    queue.put("short", 8.0, "short")
-    assert queue.get() == "long" and queue.get() == "short"
+    for index in range(5):
+        queue.put("short", 8.0, f"short-{index}")
+    # Four turns of 8 s pay for the 30 s clip; the short client has one clip a turn meanwhile.
+    assert [queue.get() for _ in range(6)] == ["short-0", "short-1", "short-2", "long", "short-3", "short-4"]
 
 
 def test_a_short_clip_costs_the_window_the_recognizer_runs():
-    from workers.speech.recognizer import SpeechRecognizer
+    from workers.speech.recognizer import window_seconds
 
-    recognizer = SpeechRecognizer(None)
     # Whisper's encoder runs over at least eight seconds, so a flood of one-second clips
     # costs what it takes, not one second each.
-    assert recognizer.window_seconds(1.0) == 8
-    assert recognizer.window_seconds(12.2) == 14
-    assert recognizer.window_seconds(30.0) == recognizer.max_seconds == 30
+    assert window_seconds(1.0, 30) == 8
+    assert window_seconds(12.2, 30) == 14
+    assert window_seconds(30.0, 30) == 30
+    assert window_seconds(45.0, 30) == 30
+
+
+def test_clips_that_do_not_divide_the_quantum_still_get_equal_shares():
+    """16 s clips against 30 s ones: a turn's leftover credit carries to the next turn, so
+    both clients get the same seconds over time (dropped leftovers gave the 16 s client
+    half of the flood's share)."""
+    queue = FairQueue(quantum=30.0)
+    for _ in range(40):
+        queue.put("flood", 30.0, ("flood", 30.0))
+    for _ in range(75):
+        queue.put("voice", 16.0, ("voice", 16.0))
+    served = {"flood": 0.0, "voice": 0.0}
+    for _ in range(100):
+        owner, seconds = queue.get()
+        served[owner] += seconds
+        assert abs(served["flood"] - served["voice"]) < 2 * 30.0, served
+    assert abs(served["flood"] - served["voice"]) <= 30.0, served
+
+
+def test_a_client_that_sends_again_while_its_clip_is_served_continues_its_turn():
+    """A client whose last waiting clip is in service sends the next one: it goes on with
+    what is left of its turn instead of waiting a whole round (it did not wait), and a clip
+    that does not fit in that leftover waits behind the others."""
+    queue = FairQueue(quantum=30.0)
+    queue.put("voice", 8.0, "voice-0")
+    queue.put("flood", 30.0, "flood-0")
+    queue.put("flood", 30.0, "flood-1")
+    assert queue.get() == "voice-0"  # its turn: 30 s of credit, 8 spent
+    queue.put("voice", 8.0, "voice-1")  # sent while voice-0 is recognized
+    assert queue.get() == "voice-1"  # 14 s of its turn are left
+    queue.put("voice", 20.0, "voice-2")  # does not fit in those 14 s
+    assert [queue.get() for _ in range(3)] == ["flood-0", "voice-2", "flood-1"]
+
+
+def test_a_stale_clip_costs_its_owner_nothing():
+    """A clip that waited past the encoder's deadline is answered busy without being
+    recognized: its owner's turn is not spent on it."""
+    stale = {"flood-0", "flood-1", "flood-2"}
+    queue = FairQueue(quantum=30.0, stale=lambda job: job in stale)
+    for index in range(4):
+        queue.put("flood", 30.0, f"flood-{index}")
+    queue.put("voice", 8.0, "voice-0")
+    # The three stale clips go first (they are answered at once), then the flood's live clip
+    # still has its first turn: stale clips spent none of it.
+    assert [queue.get() for _ in range(5)] == ["flood-0", "flood-1", "flood-2", "flood-3", "voice-0"]
 
 
 def test_stop_wakes_a_waiting_recognizer():
@@ -172,3 +219,15 @@ def test_a_clip_that_waited_past_its_deadline_is_refused_as_busy_not_as_a_failur
 
     with pytest.raises(VoiceBusy):
         asyncio.run(recognize())
+
+
+def test_the_front_end_waits_for_a_transcript_longer_than_the_encoder_lets_a_clip_wait():
+    """An operator's --encoder-timeout of five minutes: a clip may wait that long for the
+    recognizer and is then recognized, so the front end must not give up on it first (it
+    would answer 503 for a clip the encoder is about to answer)."""
+    from engine.config import EngineConfig
+    from frontend.engine_client import EngineClient
+
+    for encoder_timeout_s in (10.0, 60.0, 300.0):
+        engine = EngineClient(EngineConfig(model="unused", encoder_timeout_s=encoder_timeout_s))
+        assert engine.transcribe_timeout_s > encoder_timeout_s + 30.0

@@ -41,6 +41,12 @@ MAX_TOKENS_PER_SECOND = 8
 MIN_TOKEN_ALLOWANCE = 16
 
 
+def window_seconds(seconds: float, max_window_s: int) -> int:
+    """The window the encoder runs over for a clip of `seconds` (its cost: a one-second clip
+    takes as long as an eight-second one)."""
+    return min(max_window_s, max(MIN_WINDOW_S, math.ceil(seconds + TAIL_PADDING_S)))
+
+
 @dataclass
 class Transcript:
     text: str
@@ -86,9 +92,7 @@ class SpeechRecognizer:
         return float(self.max_window_s)
 
     def window_seconds(self, seconds: float) -> int:
-        """The window the encoder runs over for a clip of `seconds` (its cost: a one-second
-        clip takes as long as an eight-second one)."""
-        return min(self.max_window_s, max(MIN_WINDOW_S, math.ceil(seconds + TAIL_PADDING_S)))
+        return window_seconds(seconds, self.max_window_s)
 
     def transcribe(self, audio: np.ndarray) -> Transcript:
         """`audio`: float32 mono at 16 kHz, at most `max_seconds` long."""

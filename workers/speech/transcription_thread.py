@@ -31,7 +31,7 @@ class TranscriptionThread:
         self.context = context
         self.output_address = output_address
         self.max_wait_s = max_wait_s
-        self.jobs = FairQueue(quantum=recognizer.max_seconds)
+        self.jobs = FairQueue(quantum=recognizer.max_seconds, stale=self._waited_too_long)
         self.thread = threading.Thread(target=self._run, name="speech-recognition", daemon=True)
         self.thread.start()
 
@@ -40,6 +40,10 @@ class TranscriptionThread:
         owners share the recognizer's time equally."""
         cost = self.recognizer.window_seconds(len(samples) / RECOGNIZER_RATE)
         self.jobs.put(owner, cost, (request_id, samples, time.monotonic()))
+
+    def _waited_too_long(self, job) -> bool:
+        _, _, arrived = job
+        return time.monotonic() - arrived > self.max_wait_s
 
     def stop(self) -> None:
         self.jobs.stop()
