@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import weakref
 
 import anyio
@@ -83,9 +84,11 @@ def test_a_refusal_forgets_the_tracebacks_of_every_exception_it_chains():
     def failing():
         try:
             try:
-                raise KeyError("inner")
-            except KeyError as inner:
-                raise ValueError("cause") from inner
+                raise KeyError("being handled")
+            except KeyError:
+                # `from` names another exception: the one being handled stays only in
+                # __context__, and a walk of __cause__ alone would keep its frames alive.
+                raise ValueError("cause") from OSError("named cause")
         except ValueError as cause:
             raise InvalidInput("refused", "invalid_request") from cause
 
@@ -93,7 +96,9 @@ def test_a_refusal_forgets_the_tracebacks_of_every_exception_it_chains():
         failing()
     except InvalidInput as exc:
         refused = exc
-    chain = [refused, refused.__cause__, refused.__cause__.__context__]
+    handled = refused.__cause__.__context__
+    assert isinstance(handled, KeyError) and handled is not refused.__cause__.__cause__
+    chain = [refused, refused.__cause__, handled]
     assert all(exc.__traceback__ is not None for exc in chain)
     forget_traceback(refused)
     assert [exc.__traceback__ for exc in chain] == [None, None, None]
@@ -110,24 +115,45 @@ def test_the_heap_is_trimmed_only_when_its_free_memory_grows_much(monkeypatch):
         return True
 
     monkeypatch.setattr(heap, "trim", trim)
-    assert heap_trimmer.trim_if_grown(0, 32 << 20) == 0 and trims == []
+    state = heap_trimmer.TrimState(last_trim=time.monotonic())
+    assert not heap_trimmer.trim_if_grown(state, 32 << 20) and trims == []
     free["bytes"] = 64 << 20
-    baseline = heap_trimmer.trim_if_grown(0, 32 << 20)
-    assert trims == [64 << 20] and baseline == 30 << 20
+    assert heap_trimmer.trim_if_grown(state, 32 << 20)
+    assert trims == [64 << 20] and state.baseline == 30 << 20
     # What a trim left is the mark: no trim again until the free memory grows by the threshold.
-    assert heap_trimmer.trim_if_grown(baseline, 32 << 20) == baseline and len(trims) == 1
+    assert not heap_trimmer.trim_if_grown(state, 32 << 20) and len(trims) == 1
     free["bytes"] = 20 << 20  # the heap reused some: the mark follows it down
-    assert heap_trimmer.trim_if_grown(baseline, 32 << 20) == 20 << 20 and len(trims) == 1
+    assert not heap_trimmer.trim_if_grown(state, 32 << 20) and state.baseline == 20 << 20
     free["bytes"] = 60 << 20
-    assert heap_trimmer.trim_if_grown(20 << 20, 32 << 20) == 30 << 20 and len(trims) == 2
+    assert heap_trimmer.trim_if_grown(state, 32 << 20) and state.baseline == 30 << 20 and len(trims) == 2
+
+
+def test_a_heap_that_holds_much_free_is_trimmed_now_and_then_even_without_growth(monkeypatch):
+    """Pages a trim released, used again by a burst and freed, are resident though the free
+    count is back where the last trim left it: a periodic trim hands them back."""
+    trims = []
+    monkeypatch.setattr(heap, "free_bytes", lambda: 40 << 20)
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    state = heap_trimmer.TrimState(baseline=40 << 20, last_trim=time.monotonic())
+    assert not heap_trimmer.trim_if_grown(state, 32 << 20, at_least_every_s=60.0) and trims == []
+    state.last_trim -= 61.0
+    assert heap_trimmer.trim_if_grown(state, 32 << 20, at_least_every_s=60.0) and trims == [1]
+    # A heap with little free is left alone however long ago the last trim was.
+    monkeypatch.setattr(heap, "free_bytes", lambda: 4 << 20)
+    state.last_trim -= 1000.0
+    assert not heap_trimmer.trim_if_grown(state, 32 << 20, at_least_every_s=60.0) and trims == [1]
 
 
 def test_an_operators_malloc_arena_max_wins(monkeypatch):
     calls = []
     monkeypatch.setattr(heap, "limit_arenas", lambda count: calls.append(count) or True)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
     assert not heap.limit_arenas_unless_set(2) and calls == []
     monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=4")
+    assert not heap.limit_arenas_unless_set(2) and calls == []
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
     assert heap.limit_arenas_unless_set(2) and calls == [2]
     assert 2 <= heap.arenas_for_a_front_end() <= 8
 

@@ -171,12 +171,23 @@ def test_text_is_served_while_the_encoder_restarts(vlm_server):
         return status == 503 and "encoder" in body.get("reason", "")
 
     assert wait_for(encoder_down, timeout=10)
-    # At once, while the encoder is down or loading (its successor imports torch and the
-    # tower): text needs only the decoder.
-    status, answer = post_json(vlm_server.url + "/v1/chat/completions",
-                               {"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2},
-                               auth(KEY_A))
-    assert status == 200, answer
+    # Its successor is held stopped while it starts, so the encoder stays down for as long as
+    # the text request takes: text needs only the decoder and must not wait for the encoder.
+    def successors() -> list[int]:
+        return [pid for pid in vlm_server.worker_pids("encoder") if pid != encoder]
+
+    assert wait_for(successors, timeout=30)
+    (successor,) = successors()
+    os.kill(successor, signal.SIGSTOP)
+    try:
+        assert encoder_down()
+        status, answer = post_json(vlm_server.url + "/v1/chat/completions",
+                                   {"messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 2},
+                                   auth(KEY_A))
+        assert status == 200, answer
+        assert encoder_down()
+    finally:
+        os.kill(successor, signal.SIGCONT)
     assert wait_for(lambda: get_json(vlm_server.url + "/health")[0] == 200, timeout=60)
     status, answer = post_json(vlm_server.url + "/v1/chat/completions", image_body(12, "After."), auth(KEY_A))
     assert status == 200, answer

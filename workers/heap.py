@@ -86,8 +86,10 @@ def arenas_for_a_front_end() -> int:
 
 
 def limit_arenas_unless_set(count: int) -> bool:
-    """`limit_arenas`, unless the operator chose with glibc's MALLOC_ARENA_MAX (theirs wins)."""
-    return "MALLOC_ARENA_MAX" not in os.environ and limit_arenas(count)
+    """`limit_arenas`, unless the operator chose with glibc's MALLOC_ARENA_MAX or its
+    glibc.malloc.arena_max tunable (theirs wins)."""
+    chosen = "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", "")
+    return not chosen and limit_arenas(count)
 
 
 def trim() -> bool:
