@@ -17,8 +17,9 @@ import pytest  # noqa: E402
 from tests.tiny_models import save_multi_eos_checkpoint, save_tiny_checkpoint  # noqa: E402
 
 # Every CPU mode but exact computes in bfloat16 through oneDNN, which some x86 CPUs cannot
-# (AVX2 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT): there the server refuses those modes at
-# start, and the tests of those modes are skipped. A test needs them when it names one (in
+# (AVX2 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT): there the server refuses bf16 and int8,
+# serves 4-bit layers on a float32 copy (tests/test_cpu_avx2_path.py), and the tests written
+# for the bfloat16 copy are skipped. A test needs them when it names one (in
 # its name or a parameter) or is listed here.
 _BF16_MODE_WORDS = ("bf16", "int4", "int8", "4bit", "packed", "bfloat16_copy")
 _NEEDS_BF16_MODES = {"test_cpu_int4.py"}
@@ -38,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
     if can_pack_bf16():
         return
     skip = pytest.mark.skip(reason="this CPU cannot compute bfloat16 through oneDNN (no AVX-512 BW/VL/DQ or "
-                                   "AVX-NE-CONVERT): the CPU modes but exact are refused here")
+                                   "AVX-NE-CONVERT): bf16 and int8 are refused here, and 4-bit layers keep a float32 copy")
     for item in items:
         if _needs_bf16_modes(item):
             item.add_marker(skip)
@@ -78,7 +79,7 @@ def int4_kernel(request, monkeypatch) -> bool:
 
     native = request.param == "native"
     if native and not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
     return native
 

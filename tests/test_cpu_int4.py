@@ -66,7 +66,7 @@ def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.T
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
 def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
     if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     linear = linear_on_grid(160, 48, seed=rows)
     quantized = quantize_int4(linear.weight)
     product = quantized.product()
@@ -90,12 +90,9 @@ def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
 def test_a_decode_row_computes_the_same_in_a_step_of_any_size_the_engine_schedules(monkeypatch):
     """4-bit layers run decode steps on the native kernel up to as many rows as the engine
     schedules streams by default (max_num_seqs): a row's output does not change when more
-    streams join (the bfloat16 copy, which steps of over 32 rows took before, rounds its inputs
-    otherwise). 512 outputs: 32 tiles, shared by the threads by tiles and by rows."""
+    streams join (the bfloat16 copy rounds its inputs otherwise), on every CPU (AMX too). 512 outputs: 32 tiles, shared by the threads by tiles and by rows."""
     if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
-    if "amx_bf16" in cpu_linear.cpu_flags():
-        pytest.skip("on CPUs with AMX the native kernel keeps 32 rows (oneDNN's bfloat16 product beyond)")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: True)
     linear = linear_on_grid(128, 512)
     layer = Int4Linear(linear, quantize_int4(linear.weight))
@@ -110,7 +107,7 @@ def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_doe
     a group past float16's range does not, and an output matrix with one such chunk picks its
     candidates on torch's kernel as a whole (one kernel per copy)."""
     if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     weight = linear_on_grid(64, 32).weight.detach().clone()
     weight[0, :32] = 0
     weight[1, 32:] = 0.3
@@ -130,7 +127,7 @@ def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_doe
 
 def test_the_native_kernel_checks_its_operands():
     if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     product = quantize_int4(linear_on_grid(64, 32).weight).product()
     with pytest.raises(RuntimeError, match="inputs"):
         product(torch.randn(2, 96))
@@ -216,7 +213,7 @@ def test_the_native_kernel_and_its_bfloat16_copy_hold_the_float16_scaled_weights
     """One-hot rows read the native kernel's weights back (up to the rounding of 1 / 127 * 127),
     and the batched copy holds the same weights, bfloat16-rounded."""
     if not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI and the native library")
+        pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     linear = linear_on_grid(64, 32, seed=7)
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)

@@ -135,7 +135,12 @@ def test_bf16_keeps_the_bias_in_float32():
 
 def test_modes_that_compute_in_bfloat16_are_refused_at_start_where_onednn_cannot(monkeypatch):
     monkeypatch.setattr(cpu_linear, "can_pack_bf16", lambda: False)
-    for mode in ("bf16", "int4", "int8"):
+    for mode in ("bf16", "int8"):
         with pytest.raises(ValueError, match="use quantization none"):
             cpu_linear.resolve_quantization(mode, torch.device("cpu"))
+    # 4-bit layers keep a float32 copy there, where the native 4-bit kernel runs
+    # (tests/test_cpu_avx2_path.py); without it they are refused too.
+    monkeypatch.setattr(cpu_linear, "native_kernel_available", lambda wait=True: False)
+    with pytest.raises(ValueError, match="use quantization none"):
+        cpu_linear.resolve_quantization("int4", torch.device("cpu"))
     assert cpu_linear.resolve_quantization("auto", torch.device("cpu")) in ("none", "bf16")

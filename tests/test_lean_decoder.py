@@ -113,8 +113,9 @@ def quantization(mode: str, monkeypatch) -> str:
 
 def attends_natively(mode: str) -> bool:
     """Whether a mode's decode rows take the native decode attention: where its layers run a
-    native product (cpu_decode_attention.serves)."""
-    return ((mode == "int4" and native_decode.int4_product_available())
+    native product and the CPU has AVX-512F (cpu_decode_attention.serves)."""
+    return ((mode == "int4" and native_decode.int4_product_available()
+             and native_decode.has_any(native_decode.FLOAT32_CPU_FLAGS))
             or (mode == "none" and native_decode.float32_product_available()))
 
 
@@ -215,11 +216,34 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     assert parts([1000] * 8 + [10] * 8) == [0, 5, 16]
     # One very long row: its part keeps the fewest rows allowed.
     assert parts([5000] + [10] * 15) == [0, 4, 16]
-    # Only on the two threads measured: on more, each part's calls would leave threads idle.
+    # On any number of threads: a part per thread once each gets 4 rows; a smaller step splits
+    # each call between all the threads instead (parts on some would leave the others idle).
     torch.set_num_threads(3)
-    assert parts([10] * 16) == [0, 16]
+    assert parts([10] * 16) == [0, 5, 11, 16] and parts([10] * 11) == [0, 11]
+    torch.set_num_threads(4)
+    assert parts([10] * 16) == [0, 4, 8, 12, 16] and parts([10] * 15) == [0, 15]
     torch.set_num_threads(1)
     assert parts([10] * 16) == [0, 16]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_four_bit_steps_stay_bitwise_and_split_by_rows_on_one_two_and_four_threads(tmp_path, native_stack, threads,
+                                                                                    monkeypatch):
+    """The row rule follows the thread count, whatever the machine: a 17-row step runs one part
+    per thread on two and on four threads (4 rows each at least) where the decode attention is
+    native, and every step's logits stay the model's own on each count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm, _ = small_stack(tmp_path, "int4")
+        steps = run_both_forwards(monkeypatch, llm, native=True)
+        llm.generate([[5 + i, 6, 7] for i in range(17)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        torch.set_num_threads(saved)
+    assert [rows for rows, equal in steps if not equal] == []
+    runner = llm.engine.core.executor.runner
+    assert 17 in {rows for rows, _ in steps} and runner.lean.native.steps >= 5
+    assert (runner.lean.native.split > 0) == (threads > 1 and runner.native_attention)
 
 
 def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path, native_stack, two_threads,
@@ -341,9 +365,9 @@ def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwis
         assert runner.lean.native.in_place > 0
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
 @pytest.mark.parametrize("native_norm", [False, True])
-def test_native_steps_stay_bitwise_on_two_and_three_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm,
+def test_native_steps_stay_bitwise_on_one_to_four_threads_and_a_wide_mlp(tmp_path, native_stack, native_norm,
                                                                            threads, monkeypatch):
     """The stack splits a batch's ATen norms between the threads by rows (the native norm, by
     rows of its own); ATen splits a large elementwise call (here silu over 17 x 4864) by
@@ -370,7 +394,8 @@ def test_native_steps_stay_bitwise_on_two_and_three_threads_and_a_wide_mlp(tmp_p
     runner = llm.engine.core.executor.runner
     assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_norm}
     assert runner.lean.native.steps >= 5 and 17 in {rows for rows, _ in steps}
-    # (Exact mode's products are native where the CPU has AVX-512F; else oneDNN's, never split.)
+    # (Exact mode's products are native where the CPU has AVX-512F; else oneDNN's, never split.
+    # 17 rows give two threads parts of 8 or more; three or four threads would need 24 or 32.)
     assert (runner.lean.native.split > 0) == (threads == 2 and native_decode.float32_product_available())
 
 

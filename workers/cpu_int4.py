@@ -5,11 +5,12 @@ arithmetic, so reading 4 bits a weight instead of bfloat16's 16 makes it faster.
 is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale and minimum
 (weight = code * scale + minimum, code 0..15). Two kernels run it, chosen once per process
 (`Int4Product`):
-- on CPUs with AVX-512 VNNI, Antiphon's own (workers/native/int4_product.cpp, built with the
-  C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
+- on x86-64 CPUs with AVX-512 VNNI or AVX2, Antiphon's own (workers/native/int4_product.cpp
+  and its AVX2 variant, bitwise the same, built with the C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
   integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). Over 210
-  layers of the default model's shapes, two threads, timed in one C++ loop: 1.1-1.3x
-  torch's kernel for one row, 1.6-1.9x for eight. Perplexity of the default model 27.09,
+  layers of the default model's shapes, two threads, timed in one C++ loop
+  (benchmarks/int4_kernels.py): with VNNI 1.1-1.3x torch's kernel for one row, 1.6-1.9x for
+  eight. Perplexity of the default model 27.09,
   against 26.99 with torch's kernel (float32: 27.03);
 - elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
   scales and zeros, float accumulation).
@@ -38,8 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.cpu_features import cpu_flags
-from workers.cpu_packed_linear import PackedLinear
+from workers.cpu_packed_linear import PackedLinear, can_pack_bf16
 from workers.step_rows import generated_rows, split_rows
 
 GROUP_SIZE = 32
@@ -47,22 +47,20 @@ MAX_CODE = 15
 # Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. Against oneDNN's
 # bfloat16 product over the default model's layers (benchmarks/int4_kernels.py): torch's kernel
 # 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
-# every row count (5x at 1 row, 2x at 32, 1.5-1.9x at 48-96, 1.1x at 512), but its 8-bit
-# inputs in a prompt's prefill moved the default model's greedy answers (its demo answer turned
-# French), so prompt tokens take the copy (below). Decode steps take
-# the native kernel up to 512 rows (it was 32 until prompt steps had their own rule: 48 greedy
-# streams then decoded at ~610 tok/s on the copy, 900-1010 on the kernel), so in greedy steps a
-# decode row computes the same in a step of any size up to there. Except on CPUs with AMX,
-# whose bfloat16 tile products (16 times vpdpbusd's multiply-adds a cycle) should outrun the
-# kernel at many rows: there it stays 32 (not measured; this host has no AMX).
+# every row count measured (5x at 1 row, 2x at 32, 1.5-1.9x at 48-96, 1.1x at 512, with VNNI),
+# but its 8-bit inputs in a prompt's prefill moved the default model's greedy answers (its demo
+# answer turned French), so prompt tokens take the copy (below). Decode steps take the native
+# kernel up to 512 rows, so in greedy steps a decode row computes the same in a step of any size
+# up to there. On CPUs with AMX, oneDNN's bfloat16 tile products may outrun the kernel at many
+# rows; that is not measured, so AMX takes the same rule (its tiles serve the copy only) until
+# benchmarks/int4_kernels.py on such a CPU says otherwise.
 MAX_INT4_ROWS = 8
-MAX_NATIVE_INT4_ROWS = 32 if "amx_bf16" in cpu_flags() else 512
-# Prompt tokens take the bfloat16 copy at every row count (workers/step_rows.py says which rows of
-# a step are prompt tokens). A whole prompt of more than the kernel's rows (then 32) took the
-# copy anyway, but a prompt's tail after a prefix-cache hit, a step of a few rows, took the
-# native kernel, whose 8-bit inputs then moved the answer: on a fresh server the README's
-# question was answered "Paris" if asked first and French gibberish once another conversation
-# had cached the system prompt. So the tokens a prompt step computes take the copy whatever part
+MAX_NATIVE_INT4_ROWS = 512
+# Prompt tokens take the copy at every row count (workers/step_rows.py says which rows of a step
+# are prompt tokens): on the native kernel's 8-bit inputs, a prompt's tail after a prefix-cache
+# hit (a step of a few rows) moved the answer: on a fresh server the README's question was
+# answered "Paris" if asked first and French gibberish once another conversation had cached the
+# system prompt. So the tokens a prompt step computes take the copy whatever part
 # of the prompt is cached. (Not every cached token came from one: a follow-up turn's prompt
 # holds the previous answer, whose cached keys and values its decode steps computed in 4 bits,
 # and a fresh cache computes them from the copy.) Generated tokens take the kernel in every
@@ -165,7 +163,7 @@ def kernel_available() -> bool:
 
 
 def native_kernel_available(wait: bool = True) -> bool:
-    """Whether 4-bit weights use the native VNNI kernel in this process (the first call waits
+    """Whether 4-bit weights use the native kernel in this process (the first call waits
     for the native library's build; see native_decode.int4_product_available)."""
     from workers import native_decode  # here: native_decode imports this module
 
@@ -276,7 +274,9 @@ class Int4Linear(torch.nn.Module):
         # may then differ from the one a smaller step gives.
         dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
         dense.weight.data = quantized.native_weights() if self.int4.native else quantized.kernel_weights()
-        self.batched = PackedLinear(dense, torch.bfloat16)
+        # bfloat16 where oneDNN computes it; on CPUs where it cannot (AVX2 without AVX-512), a
+        # float32 copy: more memory, but those rows are then computed exactly on its weights.
+        self.batched = PackedLinear(dense, torch.bfloat16 if can_pack_bf16() else torch.float32)
         # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
         self.weight = self.batched.weight
 
@@ -295,5 +295,5 @@ class Int4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 groups of {GROUP_SIZE}, {'native VNNI' if self.int4.native else 'torch'} kernel "
-                f"(bfloat16 copy above {self.int4.kernel_max_rows} rows and for prompt tokens)")
+                f"int4 groups of {GROUP_SIZE}, {'native' if self.int4.native else 'torch'} kernel "
+                f"({self.batched.dtype} copy above {self.int4.kernel_max_rows} rows and for prompt tokens)")

@@ -41,9 +41,10 @@ import torch
 from engine.config import QUANTIZATION_MODES
 from workers.cpu_features import cpu_flags
 from workers.cpu_float32_linear import Float32Linear, can_tile
-from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
+from workers.cpu_int4 import (Int4Linear, can_quantize, int4_if_on_grid, kernel_available, native_kernel_available,
+                              quantize_int4)
 from workers.cpu_output_layer import RescoredOutputLayer
-from workers.cpu_packed_linear import PackedLinear
+from workers.cpu_packed_linear import PackedLinear, can_pack, can_pack_bf16
 
 # Quality bound for the automatic choice: perplexity of the default model within this factor
 # of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x, int4 and auto 0.998x;
@@ -61,17 +62,6 @@ def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
         # fastest here (torchao's int8 paths run on torch's int8 matmuls, slower on this CPU).
         warnings.simplefilter("ignore")
         return DynamicQuantizedLinear.from_float(linear)
-
-
-def can_pack() -> bool:
-    return torch.backends.mkldnn.is_available()
-
-
-def can_pack_bf16() -> bool:
-    """Whether oneDNN packs bfloat16 weights on this CPU: it needs AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT, and every CPU mode but exact has a bfloat16 product (the layers, the 4-bit
-    layers' copy for prompt rows, the output matrix)."""
-    return can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -94,13 +84,30 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
                              "(use --dtype float32, or quantization none)")
         if requested in ("bf16", "int4") and not can_pack():
             raise ValueError(f"quantization={requested} needs oneDNN (torch.backends.mkldnn), not available here")
-        if not can_pack_bf16():
+        if not can_pack_bf16() and not (requested == "int4" and int4_without_bfloat16()):
             raise ValueError(f"quantization={requested} computes in bfloat16 through oneDNN, which this CPU cannot "
                              "(it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); use quantization none")
         if requested == "int4" and not kernel_available():
             raise ValueError("quantization=int4 needs torch's 4-bit CPU kernel (_weight_int4pack_mm_for_cpu), "
                              "missing from this torch build")
     return requested
+
+
+def int4_without_bfloat16() -> bool:
+    """Whether 4-bit layers run on this CPU though it has no bfloat16 product (AVX2 without
+    AVX-512): the native 4-bit kernel computes their generated rows (int4_product_avx2.cpp)
+    and a float32 copy their prompt rows (cpu_int4.Int4Linear). Waits for the native
+    library's build on a first start, as loading 4-bit layers does anyway."""
+    return can_pack() and not can_pack_bf16() and native_kernel_available()
+
+
+def auto_serves_int4(mode: str) -> bool:
+    """Whether `auto`, resolved to `mode`, serves 4-bit the layers whose weights are 4-bit
+    already (a checkpoint converted from a Q4_1 GGUF file, as the default model): beside
+    bfloat16 layers, and beside exact float32 ones on CPUs without a bfloat16 product, where
+    reading a quarter of float32's bytes per generated token is most of a decode step's time
+    (benchmarks/int4_kernels.py)."""
+    return mode == "bf16" or (mode == "none" and int4_without_bfloat16())
 
 
 def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: bool = False) -> dict[str, int]:
@@ -138,7 +145,8 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
                 replacement = RescoredOutputLayer(module)
-        elif int4_where_exact and can_quantize(module) and (quantized := int4_if_on_grid(module.weight)):
+        elif (int4_where_exact and module is not output_layer and can_quantize(module)
+              and (quantized := int4_if_on_grid(module.weight))):
             replacement = Int4Linear(module, quantized)
         else:
             replacement = convert(module)

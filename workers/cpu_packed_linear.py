@@ -5,6 +5,19 @@ from __future__ import annotations
 import torch
 
 
+
+def can_pack() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def can_pack_bf16() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU: it needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT. Every CPU mode but exact has a bfloat16 product (the layers, the output
+    matrix), except that 4-bit layers keep a float32 copy for prompt rows where there is none
+    (cpu_int4.Int4Linear)."""
+    return can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear(torch.nn.Module):
     """`nn.Linear` with its weight held in oneDNN's blocked layout, in float32 or bfloat16.
     In bfloat16 the input is rounded to bfloat16 and so is the product (oneDNN returns the

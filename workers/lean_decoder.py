@@ -202,9 +202,12 @@ class _ProductGroup:
         self.parts = [_product(linear, description) for linear, description in zip(linears, self.native_parts)]
         kinds = {description[0] for description in self.native_parts if description is not None}
         # Whether the bfloat16 copy of the input is needed at all row counts, or above
-        # the native kernel's rows limit only (it takes float32; its batched copy bfloat16).
+        # the native kernel's rows limit only (it takes float32; its batched copy bfloat16, or
+        # float32 where the CPU has no bfloat16 product).
         self.rounds_always = bool(kinds & {native_decode.INT4_PRODUCT, native_decode.BF16_PRODUCT})
-        self.rounds_above = native_decode.NATIVE_INT4_PRODUCT in kinds
+        self.rounds_above = any(description[0] == native_decode.NATIVE_INT4_PRODUCT
+                                and description[3].dtype == torch.bfloat16
+                                for description in self.native_parts if description is not None)
         if any(part is None for part in self.native_parts):
             self.native_parts = None
 
@@ -285,6 +288,7 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
         return native_float32_product
     if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
         int4 = linear.int4
+        copy_takes_bfloat16 = batched.dtype == torch.bfloat16
 
         def product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
             # As Int4Linear.forward splits the rows.
@@ -295,7 +299,8 @@ def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
             else:
                 out = split_rows(rows, on_kernel,
                                  lambda part: int4(x[part], None if rounded is None else rounded[part]),
-                                 lambda: linear_pointwise(rounded, batched, None, "none", [], "").float())
+                                 lambda: linear_pointwise(rounded if copy_takes_bfloat16 else x, batched, None,
+                                                          "none", [], "").float())
             return out if bias is None else out + bias
         return product
 

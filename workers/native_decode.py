@@ -16,7 +16,7 @@ It is compiled here, against the installed torch, on first use (~15-40 s with tw
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
 background thread waits for: until it is ready, and wherever it cannot be built, steps take
 the Python forward, which computes the same. A model with 4-bit layers on a CPU with AVX-512
-VNNI, or with float32 layers on one with AVX-512F, waits for it at load instead
+VNNI or AVX2, or with float32 layers on one with AVX-512F, waits for it at load instead
 (int4_product_available, float32_product_available: a layer's kernel is chosen once).
 Later starts load the built library in well under a second. ANTIPHON_NATIVE_DECODE=0 turns it
 off.
@@ -45,9 +45,10 @@ from workers.cpu_features import cpu_flags
 logger = logging.getLogger("antiphon")
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "decode_attention.cpp",
+SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "int4_product_avx2.cpp",
+           NATIVE / "decode_attention.cpp",
            NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp", NATIVE / "rescore_top.cpp"]
-HEADERS = [NATIVE / "int4_product.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
+HEADERS = [NATIVE / "int4_product.h", NATIVE / "int4_product_avx2.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
            NATIVE / "rms_norm.h", NATIVE / "avx512_util.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
@@ -72,10 +73,11 @@ INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT, NATIVE_FLOAT32
 NATIVE_BUILD_WAIT_SECONDS = 240
 # A build running longer is killed (with its compilers) and counts as failed.
 BUILD_TIMEOUT_SECONDS = 900
-# What the native 4-bit product needs (int4_product.cpp), as /proc/cpuinfo names the flags.
-INT4_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+# What the native 4-bit product needs, as /proc/cpuinfo names the flags: either set
+# (int4_product.cpp with AVX-512 VNNI, int4_product_avx2.cpp with AVX2; the same results).
+INT4_CPU_FLAGS = ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, {"avx2", "fma", "f16c"})
 # And the native float32 product (float32_product.cpp).
-FLOAT32_CPU_FLAGS = {"avx512f"}
+FLOAT32_CPU_FLAGS = ({"avx512f"},)
 # The kernels whose use is decided once per process (_native_product_available), by name.
 KERNELS = ("int4_product", "float32_product")
 
@@ -127,7 +129,7 @@ def is_ready() -> bool:
 
 
 def int4_product_available(wait: bool = True) -> bool:
-    """Whether 4-bit layers use the native VNNI product (int4_product.cpp): see _native_product_available."""
+    """Whether 4-bit layers use the native product (int4_product.cpp): see _native_product_available."""
     return _native_product_available("int4_product", INT4_CPU_FLAGS, "the 4-bit layers", wait)
 
 
@@ -164,11 +166,16 @@ def _loaded_now(kernel: str) -> bool:
     """Whether the native `kernel` (AVX-512F) can serve now: the library is loaded. Callers
     ask once, for a model that takes_native_kernels, and keep the answer, so that a part's
     numbers never switch kernels while it serves."""
-    return enabled() and FLOAT32_CPU_FLAGS <= cpu_flags() and is_ready() and _kernel_usable(kernel)
+    return enabled() and has_any(FLOAT32_CPU_FLAGS) and is_ready() and _kernel_usable(kernel)
 
 
-def _native_product_available(kernel: str, flags: set[str], layers: str, wait: bool) -> bool:
-    """Whether layers use the native `kernel`: the CPU has `flags`, the library loads, and the
+def has_any(flag_sets: tuple[set[str], ...]) -> bool:
+    """Whether this CPU has every flag of one of `flag_sets`."""
+    return any(flags <= cpu_flags() for flags in flag_sets)
+
+
+def _native_product_available(kernel: str, flag_sets: tuple[set[str], ...], layers: str, wait: bool) -> bool:
+    """Whether layers use the native `kernel`: the CPU has one of `flag_sets`, the library loads, and the
     process holds one OpenMP runtime. A layer picks its kernel once, when the model loads, so
     that its numbers never change while it serves; so the first call waits for the build (a
     first start compiles it, once per machine and version), and its answer holds for the
@@ -179,7 +186,7 @@ def _native_product_available(kernel: str, flags: set[str], layers: str, wait: b
         return False
     if kernel in _state:
         return bool(_state[kernel])
-    if not flags <= cpu_flags():
+    if not has_any(flag_sets):
         return False
     if not wait:
         return is_ready() and _kernel_usable(kernel)

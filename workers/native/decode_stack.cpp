@@ -79,17 +79,18 @@ void round_to_bfloat16(const float* source, c10::BFloat16* target, int64_t width
 // Steps of at least this many rows split their norms between the threads (norm, below).
 constexpr int64_t kRowsToSplit = 4;
 
-// Steps are split by rows (DecodeStack::forward_split) on this many threads only, the count
-// measured: on more, each part's calls would leave the other threads idle, and every thread
-// reading all the weights would multiply the step's memory traffic by the thread count.
-constexpr int64_t kThreadsToSplitRows = 2;
-
-// Steps split by rows between the threads give each at least
-// this many: below it a step reads more than it computes, and two threads reading all the
-// weights each cost more than waiting for each other. Measured on the default model, two
-// threads: 4-bit, 16 streams 1.3x split by rows, 8 streams 1.04-1.16x, 4 streams 0.75-0.8x;
-// float32 (exact mode, 8 times the bytes per weight, a quarter of the multiply-adds per
-// instruction), 16 streams 1.09x, 8 streams 0.83x.
+// Steps split by rows between the threads (DecodeStack::forward_split) give each thread a part
+// of at least this many rows, on any number of threads: each part reads all the weights, so a
+// part must have enough rows for its arithmetic to outweigh that read, and every thread must
+// get one (a step with fewer rows than that splits each call between all the threads instead,
+// as a smaller step on more threads should: parts on some threads would leave the others idle).
+// Rows per part is what decides it, not the thread count: each thread's part reads the weights
+// at the same rows per read wherever it runs. Measured on the default model, two threads: 4-bit,
+// 16 streams 1.3x split by rows, 8 streams 1.04-1.16x, 4 streams 0.75-0.8x; float32 (exact
+// mode, 8 times the bytes per weight, a quarter of the multiply-adds per instruction), 16
+// streams 1.09x, 8 streams 0.83x. (On many cores the threads share one memory bus, which two do
+// less: the rule holds per thread only while the weights' reads do not saturate it; not measured
+// above two threads.)
 constexpr int64_t kMinRowsPerPartInt4 = 4;
 constexpr int64_t kMinRowsPerPartFloat32 = 8;
 
@@ -242,7 +243,10 @@ class DecodeStack : public torch::CustomClassHolder {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
           group.rounds_always = group.rounds_always || p.kind == kInt4 || p.kind == kPackedBf16;
-          group.rounds_above = group.rounds_above || p.kind == kNativeInt4;
+          // (The native kernel's batched copy is float32 where the CPU has no bfloat16 product:
+          // then nothing rounds.)
+          group.rounds_above =
+              group.rounds_above || (p.kind == kNativeInt4 && p.batched.scalar_type() == at::kBFloat16);
           // Only the native kernels compute a row the same in any batch (oneDNN's blocking and
           // torch's 4-bit kernel may vary with the rows), each up to its own limit.
           rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat);
@@ -363,9 +367,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // (OpenMP's dynamic adjustment could give the parts, and ATen's calls, fewer threads than
   // get_num_threads() says, which silu_rounds_alike and the parts' serial calls assume.)
   bool splits_rows(int64_t tokens) const {
-    return rows_independent_ && tokens >= min_rows_per_part_ * kThreadsToSplitRows && tokens <= max_split_rows_ &&
-           at::get_num_threads() == kThreadsToSplitRows && !at::in_parallel_region() && !omp_get_dynamic() &&
-           silu_rounds_alike(tokens);
+    const int64_t threads = at::get_num_threads();
+    return rows_independent_ && threads >= 2 && tokens >= min_rows_per_part_ * threads &&
+           tokens <= max_split_rows_ && !at::in_parallel_region() && !omp_get_dynamic() && silu_rounds_alike(tokens);
   }
 
   // Whether silu over the step's [tokens, width] gates rounds the same computed per part (one
@@ -562,7 +566,8 @@ class DecodeStack : public torch::CustomClassHolder {
       if (is_int4(p.kind) && rows <= max_rows(p.kind)) {
         y = int4(p, x, rounded);
       } else {
-        y = onednn_linear(rounded, is_int4(p.kind) ? p.batched : p.weight, c10::nullopt).to(at::kFloat);
+        const at::Tensor& weight = is_int4(p.kind) ? p.batched : p.weight;
+        y = onednn_linear(weight.scalar_type() == at::kBFloat16 ? rounded : x, weight, c10::nullopt).to(at::kFloat);
       }
       out.push_back(p.bias.has_value() ? y + *p.bias : y);
     }

@@ -1,4 +1,5 @@
-// A 4-bit weight product for CPU decode steps with AVX-512 VNNI integer dot products
+// A 4-bit weight product for CPU decode steps with AVX-512 VNNI integer dot products, or
+// AVX2's where the CPU lacks VNNI (int4_product_avx2.cpp: bitwise the same results)
 // (workers/cpu_int4.py describes the weights; workers/native_decode.py builds this file).
 //
 // A decode step's products are memory-bound: the 4-bit codes are read once per step. This
@@ -11,8 +12,8 @@
 // them to bfloat16). Measured against that kernel over 210 layers of the default model's
 // shapes, read from memory, two threads: 1.1-1.3x for one row, 1.6-1.9x for eight.
 //
-// x86-64 only (AVX-512 intrinsics, compiled for that target per function, so the library
-// still loads on CPUs without it); elsewhere int4_product_supported() is false.
+// x86-64 only (AVX-512 or AVX2 intrinsics, compiled for their target per function, so the
+// library loads on any x86-64 CPU); elsewhere int4_product_supported() is false.
 //
 // Layout (cpu_int4.Int4Weight.native_layout), for N outputs and K inputs, in tiles of 16
 // outputs and groups of 32 inputs:
@@ -32,8 +33,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "int4_product.h"
+#include "int4_product_avx2.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ANTIPHON_INT4_PRODUCT 1
@@ -176,20 +179,27 @@ VNNI_TARGET void product_tile_rows(const int8_t* q, const float* steps, const fl
 }  // namespace
 #endif  // ANTIPHON_INT4_PRODUCT
 
-bool int4_product_supported() {
+namespace {
+
+bool vnni_supported() {
 #ifdef ANTIPHON_INT4_PRODUCT
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("avx512dq");
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return supported;
 #else
   return false;
 #endif
 }
 
-at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_minimums) {
-  static const bool supported = int4_product_supported();
-  TORCH_CHECK(supported, "this CPU lacks AVX-512 VNNI");
+// The product with the VNNI variant of the kernel, or the AVX2 one.
+at::Tensor int4_product_with(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_minimums,
+                             bool vnni) {
+  TORCH_CHECK(vnni ? vnni_supported() : int4_avx2_supported(),
+              vnni ? "this CPU lacks AVX-512 VNNI" : "this CPU lacks AVX2, FMA and F16C");
   TORCH_CHECK(x.is_cpu() && codes.is_cpu() && scales_and_minimums.is_cpu(), "the 4-bit product runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, inputs] float32");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 4 &&
@@ -214,26 +224,47 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::
   float* sum_data = sums.data_ptr<float>();
   // Each row on its own: the same codes whoever quantizes it.
   at::parallel_for(0, rows, kRowsToQuantizeApart, [&](int64_t first, int64_t last) {
-    quantize_rows(x_data + first * k, last - first, k, q_data + first * k, step_data + first * groups,
-                  sum_data + first * groups);
+    (vnni ? quantize_rows : quantize_rows_avx2)(x_data + first * k, last - first, k, q_data + first * k,
+                                                step_data + first * groups, sum_data + first * groups);
   });
   const uint8_t* code_data = codes.data_ptr<uint8_t>();
   const uint16_t* scale_data = reinterpret_cast<const uint16_t*>(scales_and_minimums.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const auto tile_rows = vnni ? product_tile_rows : product_tile_rows_avx2;
   // Items of one tile lie side by side, so consecutive items reuse its codes from cache.
   at::parallel_for(0, tiles * row_blocks, 4, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t tile = item / row_blocks, first_row = item % row_blocks * kRowsPerItem;
-      product_tile_rows(q_data, step_data, sum_data, code_data, scale_data, out, k, n, tile, first_row,
-                        std::min(rows, first_row + kRowsPerItem));
+      tile_rows(q_data, step_data, sum_data, code_data, scale_data, out, k, n, tile, first_row,
+                std::min(rows, first_row + kRowsPerItem));
     }
   });
 #endif
   return y;
 }
 
+}  // namespace
+
+bool int4_product_supported() { return vnni_supported() || int4_avx2_supported(); }
+
+std::string int4_product_isa() {
+  return vnni_supported() ? "avx512_vnni" : int4_avx2_supported() ? "avx2" : "none";
+}
+
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_minimums) {
+  static const bool vnni = vnni_supported();
+  return int4_product_with(x, codes, scales_and_minimums, vnni);
+}
+
+// The AVX2 variant on any CPU that has it, for the tests that pin it bitwise to the VNNI one.
+at::Tensor int4_product_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_minimums) {
+  return int4_product_with(x, codes, scales_and_minimums, false);
+}
+
 TORCH_LIBRARY_FRAGMENT(antiphon_cpu, m) {
   m.def("int4_product_supported() -> bool", &int4_product_supported);
+  m.def("int4_product_isa() -> str", &int4_product_isa);
+  m.def("int4_product_avx2(Tensor x, Tensor codes, Tensor scales_and_minimums) -> Tensor", &int4_product_avx2);
   m.def("int4_product(Tensor x, Tensor codes, Tensor scales_and_minimums) -> Tensor", &int4_product);
 }

@@ -1,0 +1,82 @@
+"""The default model's fast path on x86-64 CPUs without AVX-512 (AVX2, FMA and F16C): the native
+4-bit kernel's AVX2 variant (workers/native/int4_product_avx2.cpp) for generated rows, and a
+float32 copy of the same weights for prompt rows where oneDNN has no bfloat16 product.
+
+(Test names here avoid the words that tests/conftest.py skips on such CPUs: these run there.)"""
+
+import pytest
+import torch
+
+from tests.test_cpu_int4 import linear_on_grid, native_reference
+from workers import cpu_int4, cpu_linear, native_decode, step_rows
+from workers.cpu_int4 import Int4Linear, quantize_int4
+from workers.cpu_linear import prepare_linear_layers
+from workers.cpu_packed_linear import PackedLinear
+
+
+def native_isa() -> str:
+    if not native_decode.wait_until_built(timeout=600):
+        pytest.skip("the native library is not built here")
+    return torch.ops.antiphon_cpu.int4_product_isa()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 40])
+def test_the_avx2_kernel_computes_the_8bit_input_times_the_four_bit_codes(rows):
+    if native_isa() == "none":
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    if not native_decode.int4_product_available():
+        pytest.skip("the native library cannot serve here")
+    linear = linear_on_grid(160, 48, seed=rows)
+    quantized = quantize_int4(linear.weight)
+    product = quantized.product()
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=generator) * torch.rand(rows, 1, generator=generator) * 4
+    x[0, :32] = 0  # an all-zero group: step 0, no division by it
+    x[-1, 32:64] = 1e-42  # a group so small that 127 / max overflows: codes 0, as the VNNI kernel
+    out = torch.ops.antiphon_cpu.int4_product_avx2(x, product.codes, product.scales)
+    expected = native_reference(x, quantized)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # A row computes the same alone as in its batch.
+    assert all(torch.equal(torch.ops.antiphon_cpu.int4_product_avx2(x[i:i + 1], product.codes, product.scales),
+                           out[i:i + 1]) for i in range(rows))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
+def test_the_avx2_and_vnni_kernels_give_bitwise_the_same_results(rows):
+    """A server's answers do not depend on which of the two its CPU runs."""
+    if native_isa() != "avx512_vnni":
+        pytest.skip("needs a CPU with AVX-512 VNNI to compare with")
+    quantized = quantize_int4(linear_on_grid(576, 192, seed=rows).weight)
+    product = quantized.product()
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+    assert torch.equal(torch.ops.antiphon_cpu.int4_product_avx2(x, product.codes, product.scales),
+                       torch.ops.antiphon_cpu.int4_product(x, product.codes, product.scales))
+
+
+def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_copy(monkeypatch):
+    """On a CPU where oneDNN computes no bfloat16, `auto` serves the layers whose weights are
+    4-bit already on the native kernel, and their prompt rows on a float32 copy of those very
+    weights (exact for a checkpoint on the grid); other layers stay exact float32."""
+    if native_isa() == "none" or not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel does not run here")
+    for module in (cpu_linear, cpu_int4):
+        monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
+    assert cpu_linear.auto_serves_int4("none") and cpu_linear.auto_serves_int4("bf16")
+    on_grid, other = linear_on_grid(64, 32), torch.nn.Linear(32, 16)
+    model = torch.nn.Sequential(on_grid, other)
+    counts = prepare_linear_layers(model, "none", int4_where_exact=True)
+    assert isinstance(model[0], Int4Linear) and model[0].int4.native
+    assert isinstance(model[0].batched, PackedLinear) and model[0].batched.dtype == torch.float32
+    assert not isinstance(model[1], Int4Linear) and counts["int4"] == 1
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    # Prompt rows (none of them generated): the float32 copy, the layer's own weights.
+    with step_rows.prompt_step(generated=0, tokens=5):
+        prompt = model[0](x)
+    torch.testing.assert_close(prompt, on_grid(x), rtol=1e-5, atol=1e-5)
+    # Generated rows: the kernel's 8-bit input.
+    generated = model[0](x)  # outside a prompt step every row is generated
+    assert torch.equal(generated, model[0].int4(x))
+    # The other modes still need a bfloat16 product.
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_linear.resolve_quantization("bf16", torch.device("cpu"))
+    assert cpu_linear.resolve_quantization("int4", torch.device("cpu")) == "int4"
