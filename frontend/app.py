@@ -38,7 +38,7 @@ from frontend.structured_output import GrammarChecker
 
 logger = logging.getLogger("antiphon.frontend")
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 @dataclass
