@@ -3,10 +3,10 @@
 Over the default model's 210 linear layers' shapes as a decode step calls them, 120 products
 (SmolLM2-135M: per layer q/k/v fused 576 -> 960, o 576 -> 576, gate/up fused 576 -> 3072, down
 1536 -> 576), each its own weights, so a pass reads them from memory as a decode step does.
-For each row count: the native VNNI kernel (workers/native/int4_product.cpp, where this CPU has
-it), torch's `_weight_int4pack_mm_for_cpu` and oneDNN's bfloat16 product of the same weights
-(what larger steps use); each pass calls the 120 products from Python, the three kinds taking
-turns, best of the repetitions.
+For each row count: the native kernel (workers/native/int4_product.cpp, VNNI or AVX2, where this
+CPU has one), torch's `_weight_int4pack_mm_for_cpu` and oneDNN's dense product of the same
+weights (what prompt rows use: bfloat16 where oneDNN has a bfloat16 product, else float32);
+each pass calls the 120 products from Python, the kinds taking turns, best of the repetitions.
 
     python benchmarks/int4_kernels.py [--rows 1 8 16 32] [--reps 5]
 """
@@ -22,7 +22,7 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (inputs, outputs)
 LAYERS = 30
 
 
-def build_layers(native: bool) -> list[dict]:
+def build_layers(native: bool, dense_dtype: torch.dtype) -> list[dict]:
     from workers.cpu_int4 import quantize_int4
     from workers.cpu_packed_linear import PackedLinear
 
@@ -33,8 +33,9 @@ def build_layers(native: bool) -> list[dict]:
             quantized = quantize_int4(torch.randn(outputs, inputs, generator=generator) * 0.05)
             dense = torch.nn.Linear(inputs, outputs, bias=False)
             dense.weight.data = quantized.kernel_weights()
+            # The dense peer: what auto serves a layer off the 4-bit grid as.
             layer = {"inputs": inputs, "torch": quantized.product(native=False),
-                     "bf16": PackedLinear(dense, torch.bfloat16)}
+                     "dense": PackedLinear(dense, dense_dtype)}
             if native:
                 layer["native"] = quantized.product(native=True)
             layers.append(layer)
@@ -69,19 +70,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from workers import cpu_int4
+    from workers.cpu_packed_linear import can_pack_bf16
 
     native = cpu_int4.native_kernel_available()
-    layers = build_layers(native)
-    kinds = (["native"] if native else []) + ["torch", "bf16"]
+    dense_dtype = torch.bfloat16 if can_pack_bf16() else torch.float32
+    layers = build_layers(native, dense_dtype)
+    kinds = (["native"] if native else []) + ["torch", "dense"]
     print(f"{len(layers)} products (the default model's 210 layers, q/k/v and gate/up fused), {args.threads} "
           f"threads, best of {args.reps}, ms per "
-          f"pass{'' if native else ' (no native kernel here: AVX-512 VNNI and the native library)'}\n")
-    print("| rows | " + " | ".join(kinds) + " | " + " | ".join(f"bf16 / {k}" for k in kinds[:-1]) + " |")
+          f"pass{'' if native else ' (no native kernel here: AVX-512 VNNI or AVX2, and the native library)'}; "
+          f"dense: oneDNN {str(dense_dtype).removeprefix('torch.')}\n")
+    print("| rows | " + " | ".join(kinds) + " | " + " | ".join(f"dense / {k}" for k in kinds[:-1]) + " |")
     print("|---" * (1 + 2 * len(kinds) - 1) + "|")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
         best = best_pass_times(layers, kinds, inputs, args.reps)
-        ratios = [f"{best['bf16'] / best[kind]:.2f}x" for kind in kinds[:-1]]
+        ratios = [f"{best['dense'] / best[kind]:.2f}x" for kind in kinds[:-1]]
         print(f"| {rows} | " + " | ".join(f"{best[kind] * 1000:.2f}" for kind in kinds) + " | " + " | ".join(ratios)
               + " |")
 

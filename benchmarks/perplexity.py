@@ -53,7 +53,7 @@ def load_text_model(mode: str, kv_cache_dtype: str = "auto"):
     if mode == "auto":
         from workers.cpu_linear import resolve_quantization
         resolved = resolve_quantization("auto", torch.device("cpu"))
-        prepare_linear_layers(model, resolved, int4_where_exact=resolved == "bf16")
+        prepare_linear_layers(model, resolved, int4_where_exact=True)
     else:
         prepare_linear_layers(model, mode)
     # The engine's norms and output rescoring (workers/model_loader.py).
@@ -119,11 +119,20 @@ def main() -> None:
     if args.int4_kernel != "process":
         forced = args.int4_kernel == "native"
         if forced and not cpu_int4.native_kernel_available():
-            parser.error("the native 4-bit kernel is not available here (AVX-512 VNNI and the native library)")
+            parser.error("the native 4-bit kernel is not available here (AVX-512 VNNI or AVX2, and the native library)")
         cpu_int4.native_kernel_available = lambda wait=True: forced
     kernel = "native" if cpu_int4.native_kernel_available() else "torch's"
     started = time.perf_counter()
-    results = measure([*QUANTIZATION_MODES, "auto"], args.window, args.kv_cache_dtype)
+    from workers.cpu_linear import resolve_quantization
+
+    servable = []
+    for mode in [*QUANTIZATION_MODES, "auto"]:
+        try:
+            resolve_quantization(mode, torch.device("cpu"))
+            servable.append(mode)
+        except ValueError as refusal:
+            print(f"{mode}: not measured, the server refuses it here ({refusal})")
+    results = measure(servable, args.window, args.kv_cache_dtype)
     print("| mode | KV cache | perplexity | vs none |\n|---|---|---|---|")
     for mode, (value, kv_dtype) in results.items():
         print(f"| {mode} | {kv_dtype} | {value:.3f} | {value / results['none'][0]:.3f}x |")

@@ -41,16 +41,46 @@ def test_the_avx2_kernel_computes_the_8bit_input_times_the_four_bit_codes(rows):
                            out[i:i + 1]) for i in range(rows))
 
 
+def with_awkward_groups(x: torch.Tensor) -> torch.Tensor:
+    """`x` (at least 5 rows of 192 inputs) with a group of 32 that holds a NaN, one with an
+    infinity, one of huge values, one whose scaled values fall on rounding ties, and
+    one of subnormals."""
+    x = x.clone()
+    x[0, 40] = float("nan")
+    x[1, 70] = float("inf")
+    x[2, 96:128] = torch.linspace(-1e30, 1e30, 32)
+    ties = torch.arange(32) - 15.5
+    ties[0] = 127.0  # the step is 1: every other input is a tie, k + 0.5
+    x[3, 128:160] = ties
+    x[4, 160:192] = torch.linspace(-1e-40, 1e-40, 32)
+    return x
+
+
+def test_the_avx2_kernel_answers_nan_for_rows_with_a_nan_or_an_infinity():
+    """A non-finite input never becomes a finite wrong number: its row's outputs are NaN, and
+    the other rows are untouched."""
+    if native_isa() == "none" or not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel does not run here")
+    product = quantize_int4(linear_on_grid(192, 32, seed=7).weight).product()
+    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(7))
+    out = torch.ops.antiphon_cpu.int4_product_avx2(with_awkward_groups(x), product.codes, product.scales)
+    assert out[:2].isnan().all()
+    assert out[2:].isfinite().all()
+    assert torch.equal(out[5], torch.ops.antiphon_cpu.int4_product_avx2(x[5:], product.codes, product.scales)[0])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
 def test_the_avx2_and_vnni_kernels_give_bitwise_the_same_results(rows):
-    """A server's answers do not depend on which of the two its CPU runs."""
+    """A server's answers do not depend on which of the two its CPU runs, for awkward inputs too."""
     if native_isa() != "avx512_vnni":
         pytest.skip("needs a CPU with AVX-512 VNNI to compare with")
     quantized = quantize_int4(linear_on_grid(576, 192, seed=rows).weight)
     product = quantized.product()
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
-    assert torch.equal(torch.ops.antiphon_cpu.int4_product_avx2(x, product.codes, product.scales),
-                       torch.ops.antiphon_cpu.int4_product(x, product.codes, product.scales))
+    x = torch.randn(max(rows, 5), 576, generator=torch.Generator().manual_seed(rows)) * 3
+    x = with_awkward_groups(x)[:rows]
+    torch.testing.assert_close(torch.ops.antiphon_cpu.int4_product_avx2(x, product.codes, product.scales),
+                               torch.ops.antiphon_cpu.int4_product(x, product.codes, product.scales),
+                               rtol=0, atol=0, equal_nan=True)
 
 
 def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_copy(monkeypatch):
@@ -80,3 +110,37 @@ def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_c
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_linear.resolve_quantization("bf16", torch.device("cpu"))
     assert cpu_linear.resolve_quantization("int4", torch.device("cpu")) == "int4"
+
+
+def test_decode_steps_past_the_kernels_rows_take_the_float32_copy_and_match_the_model_bitwise(tmp_path, monkeypatch):
+    """Where oneDNN has no bfloat16 product, a decode step of more rows than the native
+    kernel's limit runs the 4-bit layers' float32 copy (in the C++ stack and in the Python
+    forward alike), fewer rows the kernel: every step's logits are the model's own."""
+    from engine import LLM
+    from tests.test_lean_decoder import generate_every_kind_of_step, run_both_forwards
+    from tests.tiny_models import save_tiny_checkpoint
+
+    if native_isa() == "none" or not native_decode.int4_product_available():
+        pytest.skip("the native 4-bit kernel does not run here")
+    for module in (cpu_linear, cpu_int4):
+        monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    # 12 streams then take the copy; up to 10 rows the kernel.
+    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 10)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
+                                          num_key_value_heads=1, intermediate_size=256)
+        llm = LLM(str(checkpoint), quantization="int4", num_kv_blocks=256)
+        runner = llm.engine.core.executor.runner
+        copies = {layer.batched.dtype for layer in llm.engine.core.executor.model.modules()
+                  if isinstance(layer, Int4Linear)}
+        assert copies == {torch.float32}
+        steps = run_both_forwards(monkeypatch, llm, native=True)
+        generate_every_kind_of_step(llm)
+    finally:
+        torch.set_num_threads(threads)
+    assert [rows for rows, equal in steps if not equal] == []
+    assert {11, 12} & {rows for rows, _ in steps}  # steps past the kernel's 10 rows ran
+    assert runner.lean.native.steps > 20

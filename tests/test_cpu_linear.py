@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.reference import hf_greedy
-from workers import cpu_linear, native_decode
+from workers import cpu_int4, cpu_linear, native_decode
 from workers.cpu_float32_linear import Float32Linear
 from workers.cpu_int4 import Int4Linear
 from workers.cpu_linear import PackedLinear, prepare_linear_layers, resolve_quantization
@@ -140,7 +140,7 @@ def test_modes_that_compute_in_bfloat16_are_refused_at_start_where_onednn_cannot
             cpu_linear.resolve_quantization(mode, torch.device("cpu"))
     # 4-bit layers keep a float32 copy there, where the native 4-bit kernel runs
     # (tests/test_cpu_avx2_path.py); without it they are refused too.
-    monkeypatch.setattr(cpu_linear, "native_kernel_available", lambda wait=True: False)
-    with pytest.raises(ValueError, match="use quantization none"):
+    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
+    with pytest.raises(ValueError, match="native 4-bit kernel .*use quantization none"):
         cpu_linear.resolve_quantization("int4", torch.device("cpu"))
     assert cpu_linear.resolve_quantization("auto", torch.device("cpu")) in ("none", "bf16")

@@ -181,7 +181,7 @@ def small_stack(tmp_path, quantization: str, intermediate_size: int = 256):
     """(LLM, its C++ stack) for a small Llama in a mode whose layers run native products: 4-bit
     ("int4", AVX-512 VNNI) or exact ("none", AVX-512F); skips where this CPU lacks them."""
     if quantization == "int4" and not native_decode.int4_product_available():
-        pytest.skip("the native 4-bit product needs AVX-512 VNNI")
+        pytest.skip("the native 4-bit product needs AVX-512 VNNI or AVX2")
     if quantization == "none" and not native_decode.float32_product_available():
         pytest.skip("the native float32 product needs AVX-512F")
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,

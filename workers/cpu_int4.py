@@ -6,21 +6,19 @@ is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale an
 (weight = code * scale + minimum, code 0..15). Two kernels run it, chosen once per process
 (`Int4Product`):
 - on x86-64 CPUs with AVX-512 VNNI or AVX2, Antiphon's own (workers/native/int4_product.cpp
-  and its AVX2 variant, bitwise the same, built with the C++ decode step): llama.cpp's method, the input quantized to 8 bits per group of 32 and
-  integer dot products, float16 scales and minimums (exact for GGUF's Q4_1). Over 210
-  layers of the default model's shapes, two threads, timed in one C++ loop
-  (benchmarks/int4_kernels.py): with VNNI 1.1-1.3x torch's kernel for one row, 1.6-1.9x for
-  eight. Perplexity of the default model 27.09,
-  against 26.99 with torch's kernel (float32: 27.03);
+  and its AVX2 variant, bitwise the same, built with the C++ decode step): llama.cpp's
+  method, the input quantized to 8 bits per group of 32 and integer dot products, float16
+  scales and minimums (exact for GGUF's Q4_1). Its speed against torch's kernel and oneDNN's
+  dense products: benchmarks/int4_kernels.py; the default model's perplexity with either
+  kernel: benchmarks/perplexity.py;
 - elsewhere torch's own (`_weight_int4pack_mm_for_cpu`: bfloat16 activations, bfloat16
   scales and zeros, float accumulation).
 
 Torch's kernel's arithmetic costs more per row than oneDNN's bfloat16 product, so it wins only
-while reading the weights dominates. Measured here over all 210 layers of the default model
-(each read from memory, as in serving), against oneDNN bfloat16: 1 row 3x faster, 8 rows 1.5x,
-12-16 rows even, 24 rows slower. The native kernel is faster at every row count measured
-(MAX_NATIVE_INT4_ROWS, below). Each layer also keeps a bfloat16 copy of the same (dequantized)
-weights, oneDNN-packed, for larger batches and for prompt tokens (workers/step_rows.py).
+while reading the weights dominates: up to about 8 rows (MAX_INT4_ROWS, below; the native
+kernel goes further, MAX_NATIVE_INT4_ROWS). Each layer also keeps a copy of the same
+(dequantized) weights, oneDNN-packed, for larger batches and for prompt tokens
+(workers/step_rows.py): bfloat16, or float32 where oneDNN has no bfloat16 product.
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
@@ -30,7 +28,8 @@ scales and zeros to bfloat16 (up to ~5% of a step per weight): the accuracy of t
 (perplexity within 0.4% of exact on the default model), not exactness.
 
 Memory: the codes, the scales and the bfloat16 copy take ~2.6 bytes per weight, more than
-bf16's 2; the gain is in the bytes a decode step reads (0.5 per weight + scales).
+bf16's 2; with a float32 copy (CPUs without a bfloat16 product) ~4.6, about 15% more than
+exact mode's 4. The gain is in the bytes a decode step reads (0.5 per weight + scales).
 """
 
 from __future__ import annotations

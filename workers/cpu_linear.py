@@ -6,24 +6,25 @@ kernel streams them. The modes of `--quantization` (numbers: README, benchmarks/
 and benchmarks/perplexity.py):
 
 - "none" (exact): float32 weights on Antiphon's own float32 product where the CPU has
-  AVX-512F (cpu_float32_linear.py: 2x oneDNN's for one row here), else repacked into oneDNN's
-  blocked layout (1.5x faster than `F.linear` for one row, 1.4x for a 500-token prefill).
+  AVX-512F (cpu_float32_linear.py), else repacked into oneDNN's blocked layout (both faster
+  than `F.linear` for one row: benchmarks/float32_products.py).
   Same math as `F.linear`; only the order of the additions differs, at rounding level.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
   rounds the product to bfloat16 too; the bias is added in float32. Half the bytes; fast
-  only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Perplexity within
-  0.1% of "none" on the default model.
+  only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX).
 - "int4": 4-bit weights in groups of 32 (GGUF's Q4_1 layout) for decode steps of up to 8
-  rows (512 on the native kernel, 32 on CPUs with AMX), a bfloat16 copy for larger ones and for
-  prompt tokens (cpu_int4.py, step_rows.py). An eighth of float32's bytes: 3x
-  faster than bf16 per one-row layer here. Lossy for a checkpoint that was not 4-bit.
+  rows on torch's kernel (512 on the native one, cpu_int4.MAX_NATIVE_INT4_ROWS), a copy for
+  larger steps and prompt rows: bfloat16 where oneDNN has a bfloat16 product, float32 on
+  AVX2-only CPUs (cpu_int4.py, step_rows.py). An eighth of float32's bytes per generated
+  token (benchmarks/int4_kernels.py). Lossy for a checkpoint that was not 4-bit.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
-  activations quantized per tensor on the fly. Small models lose a lot (SmolLM2-135M:
-  perplexity 2.5x), so never the default.
-- "auto" (the default): where the CPU has native bfloat16, "int4" for every layer whose
-  weights already lie on the 4-bit grid (a checkpoint converted from a Q4_1 GGUF file, as
-  the default model is: the 4-bit codes lose nothing, so the accuracy is bf16's) and "bf16"
-  for the others; else "none".
+  activations quantized per tensor on the fly. Small models lose a lot (perplexity:
+  benchmarks/perplexity.py), so never the default.
+- "auto" (the default): every layer whose weights already lie on the 4-bit grid (a
+  checkpoint converted from a Q4_1 GGUF file, as the default model is: the codes lose
+  nothing) is "int4", where the CPU has native bfloat16 or the native 4-bit kernel runs
+  without it (AVX2); the other layers are "bf16" where the CPU has native bfloat16, else
+  "none". So auto is exact only for a float32 checkpoint on a CPU without native bfloat16.
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
 with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
@@ -41,8 +42,8 @@ import torch
 from engine.config import QUANTIZATION_MODES
 from workers.cpu_features import cpu_flags
 from workers.cpu_float32_linear import Float32Linear, can_tile
-from workers.cpu_int4 import (Int4Linear, can_quantize, int4_if_on_grid, kernel_available, native_kernel_available,
-                              quantize_int4)
+from workers import cpu_int4
+from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
 from workers.cpu_output_layer import RescoredOutputLayer
 from workers.cpu_packed_linear import PackedLinear, can_pack, can_pack_bf16
 
@@ -85,8 +86,10 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
         if requested in ("bf16", "int4") and not can_pack():
             raise ValueError(f"quantization={requested} needs oneDNN (torch.backends.mkldnn), not available here")
         if not can_pack_bf16() and not (requested == "int4" and int4_without_bfloat16()):
+            needs = ("the native 4-bit kernel (AVX2, FMA and F16C, and the native library built: "
+                     "workers/native_decode.py)" if requested == "int4" else "AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
             raise ValueError(f"quantization={requested} computes in bfloat16 through oneDNN, which this CPU cannot "
-                             "(it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); use quantization none")
+                             f"without {needs}; use quantization none")
         if requested == "int4" and not kernel_available():
             raise ValueError("quantization=int4 needs torch's 4-bit CPU kernel (_weight_int4pack_mm_for_cpu), "
                              "missing from this torch build")
@@ -98,7 +101,7 @@ def int4_without_bfloat16() -> bool:
     AVX-512): the native 4-bit kernel computes their generated rows (int4_product_avx2.cpp)
     and a float32 copy their prompt rows (cpu_int4.Int4Linear). Waits for the native
     library's build on a first start, as loading 4-bit layers does anyway."""
-    return can_pack() and not can_pack_bf16() and native_kernel_available()
+    return can_pack() and not can_pack_bf16() and cpu_int4.native_kernel_available()
 
 
 def auto_serves_int4(mode: str) -> bool:
@@ -117,7 +120,7 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
 
     `int4_where_exact` (what `auto` asks for): a layer whose weights already lie on the 4-bit
     grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit with no loss in its
-    codes; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
+    codes where `auto_serves_int4(mode)`; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
     output matrix is bfloat16 with its top candidates recomputed in float32
     (cpu_output_layer.py); otherwise it is float32 (in exact mode like the other layers)."""
     if mode not in QUANTIZATION_MODES:
@@ -128,6 +131,9 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
     convert = {"none": float32_linear, "bf16": lambda linear: PackedLinear(linear, torch.bfloat16),
                "int8": int8_linear, "int4": int4_linear}[mode]
     output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # Asked at the first layer on the 4-bit grid, not before: on an AVX2 CPU the answer waits
+    # for the native library's build, which a float32 checkpoint has no use for.
+    serves_int4: bool | None = None
     names = [name for name, module in model.named_modules()
              if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
              and module.weight.device.type == "cpu"]
@@ -145,8 +151,9 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
                 replacement = RescoredOutputLayer(module)
-        elif (int4_where_exact and module is not output_layer and can_quantize(module)
-              and (quantized := int4_if_on_grid(module.weight))):
+        elif (int4_where_exact and serves_int4 is not False and module is not output_layer
+              and can_quantize(module) and (quantized := int4_if_on_grid(module.weight))
+              and (serves_int4 := auto_serves_int4(mode) if serves_int4 is None else serves_int4)):
             replacement = Int4Linear(module, quantized)
         else:
             replacement = convert(module)
@@ -175,9 +182,9 @@ def float32_linear(linear: torch.nn.Linear) -> torch.nn.Module:
 
 def int4_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     """Every layer 4-bit, lossy for a checkpoint that was not (a layer whose shape the kernel
-    does not take stays bfloat16)."""
+    does not take stays bfloat16, or float32 where oneDNN has no bfloat16 product)."""
     if not can_quantize(linear):
-        return PackedLinear(linear, torch.bfloat16)
+        return PackedLinear(linear, torch.bfloat16 if can_pack_bf16() else torch.float32)
     if not torch.isfinite(linear.weight).all():
         raise ValueError(f"quantization=int4: a {tuple(linear.weight.shape)} linear layer has non-finite weights")
     return Int4Linear(linear, quantize_int4(linear.weight))

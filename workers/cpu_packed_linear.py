@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def can_pack() -> bool:
     return torch.backends.mkldnn.is_available()
 

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from workers import native_decode
-from workers.cpu_linear import auto_serves_int4, can_pack_bf16, cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
+from workers.cpu_linear import can_pack_bf16, cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
 from workers.cpu_output_layer import RescoredOutputLayer
 from workers.fused_rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
@@ -65,14 +65,13 @@ def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.devic
     model = model.to(device).eval()
     if device.type == "cpu" and dtype == torch.float32:
         # auto: a layer whose weights are already 4-bit is served 4-bit (its codes lose nothing).
-        int4_where_exact = quantization == "auto" and auto_serves_int4(mode)
-        counts = prepare_linear_layers(model, mode, int4_where_exact=int4_where_exact)
+        counts = prepare_linear_layers(model, mode, int4_where_exact=quantization == "auto")
         choose_native_parts(model)
         if mode in ("bf16", "int4") and can_pack_bf16() and not cpu_has_native_bf16():
             logger.warning("--quantization %s on a CPU without native bfloat16 (AVX512-BF16 or AMX): its bfloat16 "
                            "products are emulated, likely slower than --quantization none", mode)
         logger.info("CPU linear layers (--quantization %s%s): %s", quantization,
-                    f" -> {mode}{', 4-bit where the weights are' if int4_where_exact else ''}"
+                    f" -> {mode}{', 4-bit where the weights are' if 'int4' in counts else ''}"
                     if quantization == "auto" else "",
                     ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "unchanged")
     return model

@@ -48,8 +48,8 @@ NATIVE = Path(__file__).resolve().parent / "native"
 SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "int4_product_avx2.cpp",
            NATIVE / "decode_attention.cpp",
            NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp", NATIVE / "rescore_top.cpp"]
-HEADERS = [NATIVE / "int4_product.h", NATIVE / "int4_product_avx2.h", NATIVE / "decode_attention.h", NATIVE / "float32_product.h",
-           NATIVE / "rms_norm.h", NATIVE / "avx512_util.h"]
+HEADERS = [NATIVE / "int4_product.h", NATIVE / "int4_product_avx2.h", NATIVE / "decode_attention.h",
+           NATIVE / "float32_product.h", NATIVE / "rms_norm.h", NATIVE / "avx512_util.h"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on

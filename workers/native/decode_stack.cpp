@@ -10,8 +10,8 @@
 // argument parsing and dispatch from the interpreter, and on a CPU that is most of a one-row
 // step of a small model.
 //
-// On two threads, a step of enough rows whose calls all compute each row from that row alone
-// runs as one part of its rows per thread, each part through every layer on its own
+// On two or more threads, a step with enough rows for every thread whose calls all compute each
+// row from that row alone runs as one part of its rows per thread, each part through every layer on its own
 // (DecodeStack::forward_split): the same logits, without the threads meeting around each call.
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
@@ -119,7 +119,8 @@ struct Product {
   int64_t kind;
   at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight; kNativeFloat: tiled
   at::Tensor scales;  // 4-bit kinds only: torch's scales and zeros, or the native scales and minimums
-  at::Tensor batched; // 4-bit kinds only: the bfloat16 oneDNN copy for more rows
+  at::Tensor batched; // 4-bit kinds only: the oneDNN copy for more rows (bfloat16, or float32
+                      // where the CPU has no bfloat16 product)
   c10::optional<at::Tensor> bias;
 };
 

@@ -85,7 +85,12 @@ VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* 
     for (int64_t g = 0; g < groups; ++g) {
       const float* in = x + r * k + g * kGroup;
       const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      // A NaN anywhere in the group makes the step NaN, hence every output it reaches (max
+      // instructions pass NaN on or drop it depending on the operand order, which differs
+      // between this reduction and the AVX2 variant's).
+      const bool unordered = (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0;
+      const float amax =
+          unordered ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       // A group of zeros, or one so small that 127 / amax overflows, gets codes 0 (its share
       // of the output is below float32's resolution anyway).
       const float ratio = 127.0f / amax;

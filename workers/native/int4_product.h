@@ -1,4 +1,4 @@
-// The VNNI 4-bit product of int4_product.cpp, for decode_stack.cpp.
+// The 4-bit product of int4_product.cpp (AVX-512 VNNI or AVX2), for decode_stack.cpp.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -3,7 +3,7 @@
 // unsigned codes times signed inputs, summed to 16 bits) and vpmaddwd (pairs of those summed
 // to 32 bits): four multiply-adds per output lane, as one vpdpbusd does, and the integer sums
 // are exact either way (a group's eight vpmaddubsw results add up to at most
-// 8 * 2 * 15 * 127 = 30480 in magnitude, inside 16 bits). The float arithmetic per output
+// 8 * 2 * 15 * 128 = 30720 in magnitude, inside 16 bits, even for int8's -128). The float arithmetic per output
 // (each group's integer sum times scale * step, plus minimum * sum, as fused multiply-adds in
 // group order) and the input's quantization are the VNNI variant's, operation for operation,
 // so the two give bitwise the same results (tests/test_cpu_int4.py compares them where a CPU
@@ -19,6 +19,7 @@
 #include <cmath>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 
 namespace {
@@ -98,7 +99,10 @@ AVX2_TARGET void product_tile(const int8_t* q, const float* steps, const float* 
 bool int4_avx2_supported() {
   static const bool supported = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    // F16C through cpuid: __builtin_cpu_supports names it only from GCC 11 and clang 18.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   }();
   return supported;
 }
@@ -116,7 +120,13 @@ AVX2_TARGET void quantize_rows_avx2(const float* x, int64_t rows, int64_t k, int
       for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
       const __m256 largest = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      const float amax = max_of(largest);
+      // A NaN anywhere in the group makes the step NaN (as in the VNNI variant): max
+      // instructions pass NaN on or drop it depending on the operand order, which differs
+      // between the two variants' reductions.
+      const int unordered = _mm256_movemask_ps(_mm256_or_ps(
+          _mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+          _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q))));
+      const float amax = unordered != 0 ? NAN : max_of(largest);
       // As the VNNI variant: a group of zeros, or one too small for 127 / amax, gets codes 0.
       const float ratio = 127.0f / amax;
       const float inverse = amax > 0.0f && std::isfinite(ratio) ? ratio : 0.0f;
