@@ -26,6 +26,7 @@ from frontend.host_guard import HostGuard
 from frontend.limits import (ConnectionCap, OpenConnections, bearer_token, cache_salt, client_address, key_accepted,
                              key_from_subprotocols, origin_allowed, requester_of)
 from frontend.logprobs_format import LogprobFormatter
+from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.metrics import Metrics
 from frontend.openai_audio import AudioEndpoints
 from frontend.openai_chat import ChatCompletions
@@ -166,7 +167,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                       "(evicted before use).", state.client.items_resent)]
         return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters,
                                                       state.client.encoder_stats),
-                                 media_type="text/plain; version=0.0.4")
+                                 media_type=METRICS_CONTENT_TYPE)
 
     def authorized(handler):
         async def wrapped(request: Request) -> Response:

@@ -1,37 +1,26 @@
-"""Prometheus metrics in the text exposition format, rendered by hand (no dependency)."""
+"""The server's Prometheus metrics, in prometheus-client's text format.
+
+Most values live where they are counted (the engine's stats snapshot, the admission, the
+encoder's stats) and are read at scrape time, so they are exported as families built per
+scrape; the two latency histograms are prometheus-client's own. One registry per server, not the
+library's global one: tests run several apps in a process."""
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
+
+import prometheus_client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.protocol import EncoderStats, EngineStatsSnapshot
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      10.0, 30.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines += [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
-        return lines
+# No `_created` series beside each histogram: nothing here reads them.
+prometheus_client.disable_created_metrics()
 
 
 class Metrics:
@@ -41,8 +30,14 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_prompt_tokens = 0
-        self.ttft = Histogram()
-        self.itl = Histogram()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("antiphon_time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.itl = Histogram("antiphon_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        # The families of the scrape in progress (render sets them; the registry collects them).
+        self._families: list = []
+        self.registry.register(self)
 
     def request_started(self) -> None:
         self.in_flight += 1
@@ -61,14 +56,14 @@ class Metrics:
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
+    def collect(self):
+        """prometheus-client's collector interface: this scrape's families."""
+        return self._families
+
     def render(self, stats: EngineStatsSnapshot, healthy: bool, server_gauges: list[tuple[str, str, float]] = (),
-               server_counters: list[tuple[str, str, float]] = (), encoder: EncoderStats | None = None) -> str:
+               server_counters: list[tuple[str, str, float]] = (), encoder: EncoderStats | None = None) -> bytes:
         """`server_gauges` / `server_counters`: (name, help, value) owned by the server, not the engine."""
-        lines = [
-            "# HELP antiphon_requests_total Finished requests by finish reason.",
-            "# TYPE antiphon_requests_total counter",
-        ]
-        lines += [f'antiphon_requests_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+        encoder = encoder if encoder is not None else EncoderStats()
         gauges = [
             ("antiphon_requests_in_flight", "Requests streaming now.", self.in_flight),
             ("antiphon_requests_running", "Requests in the decoder's running batch.", stats.num_running),
@@ -77,9 +72,6 @@ class Metrics:
             ("antiphon_kv_blocks_total", "KV cache blocks in the pool.", stats.kv_blocks_total),
             ("antiphon_healthy", "1 when every worker is up.", int(healthy)),
             *server_gauges,
-        ]
-        encoder = encoder if encoder is not None else EncoderStats()
-        gauges += [
             ("antiphon_encoder_cache_usage", "Embeddings held in the global encoder cache.", encoder.cache_used),
             ("antiphon_encoder_cache_budget", "Embeddings the global encoder cache may hold.", encoder.cache_budget),
             ("antiphon_encoder_cache_items", "Items held in the global encoder cache.", encoder.cache_items),
@@ -100,10 +92,14 @@ class Metrics:
             ("antiphon_encoder_cache_hits_total", "Lookups the global encoder cache answered.", encoder.cache_hits),
             *server_counters,
         ]
-        for name, help_text, value in gauges:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, help_text, value in counters:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        lines += self.ttft.render("antiphon_time_to_first_token_seconds", "Time to first token.")
-        lines += self.itl.render("antiphon_inter_token_latency_seconds", "Time between consecutive tokens.")
-        return "\n".join(lines) + "\n"
+        finished = CounterMetricFamily("antiphon_requests_total", "Finished requests by finish reason.",
+                                       labels=["finish_reason"])
+        for reason, count in sorted(self.finished.items()):
+            finished.add_metric([reason], count)
+        self._families = [finished]
+        self._families += [GaugeMetricFamily(name, help_text, value=value) for name, help_text, value in gauges]
+        self._families += [CounterMetricFamily(name, help_text, value=value) for name, help_text, value in counters]
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._families = []
