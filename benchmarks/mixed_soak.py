@@ -61,8 +61,10 @@ import websockets
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.soak import (abort, free_port, held_gauges, http_get, launch, metrics, ms,  # noqa: E402
-                             percentile, process_rss, prompt, read_head, sse_events, wait_for_idle)
+from benchmarks import http_client  # noqa: E402
+from benchmarks.http_client import abort, read_head, sse_events  # noqa: E402
+from benchmarks.soak import (free_port, held_gauges, http_get, launch, metrics, ms, percentile,  # noqa: E402
+                             process_rss, prompt, wait_for_idle)
 
 KEYS = {"A": "mixed-soak-tenant-a", "B": "mixed-soak-tenant-b"}
 TINY_VLM_NAME = "tiny-qwen2-vl-2k-soak"
@@ -227,16 +229,9 @@ def serve_command(args, port: int) -> list[str]:
 # ---- HTTP, from a client's own address -------------------------------------------------------
 
 async def send_request(client: Client, path: str, body: bytes, content_type: str = "application/json"):
-    soak = client.soak
-    reader, writer = await asyncio.open_connection("127.0.0.1", soak.port, local_addr=(client.source, 0))
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{soak.port}\r\nContent-Type: {content_type}\r\n"
-            f"Authorization: Bearer {client.key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    try:
-        writer.write(head.encode() + body)
-        await writer.drain()
-    except ConnectionError:
-        pass  # a server that refuses a large body early may close before reading it: its answer is read below
-    return reader, writer
+    # A server that refuses a large body early may close before reading it: its answer is still read.
+    return await http_client.send_request("127.0.0.1", client.soak.port, "POST", path, body, content_type=content_type,
+                                          api_key=client.key, local_addr=client.source, early_answer=True)
 
 
 async def post(client: Client, path: str, payload, content_type: str = "application/json") -> tuple[int, dict]:
@@ -263,12 +258,11 @@ async def healthy(soak: Soak) -> bool:
     """/health is 200 and voice is ready (the server stays healthy while only the talker,
     which text does not need, restarts: its `voice` field says so)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", soak.port), 5)
+        reader, writer = await asyncio.wait_for(
+            http_client.send_request("127.0.0.1", soak.port, "GET", "/health", content_type=None), 5)
     except (OSError, TimeoutError):
         return False
     try:
-        writer.write(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{soak.port}\r\nConnection: close\r\n\r\n".encode())
-        await writer.drain()
         status, _ = await asyncio.wait_for(read_head(reader), 5)
         body = parsed(await asyncio.wait_for(reader.read(), 5))
         return status == 200 and body.get("voice") == "ready"

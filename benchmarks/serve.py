@@ -23,43 +23,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.http_client import RequestResult, stream_chat  # noqa: E402
+
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "the history of bread", "a city under the sea",
           "a chess match", "the first day of spring", "a lost umbrella", "an old train station"]
-
-
-@dataclass
-class RequestResult:
-    sent: float
-    token_times: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.sent
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def tpot(self) -> float:
-        if self.output_tokens < 2:
-            return 0.0
-        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
 
 
 def make_conversations(n: int, seed: int, min_words: int, max_words: int, label: str = "Request") -> list[list[dict]]:
@@ -74,51 +51,11 @@ def make_conversations(n: int, seed: int, min_words: int, max_words: int, label:
     return conversations
 
 
-async def stream_one(url: str, conversation: list[dict], max_tokens: int, api_key: str | None) -> RequestResult:
-    """One streamed chat completion over a raw asyncio HTTP/1.1 connection."""
-    target = urlparse(url)
-    body = json.dumps({"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "return_token_ids": True}).encode()
-    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
-               f"Content-Length: {len(body)}", "Connection: close"]
-    if api_key:
-        headers.append(f"Authorization: Bearer {api_key}")
-    result = RequestResult(sent=time.perf_counter())
-    reader, writer = await asyncio.open_connection(target.hostname, target.port)
-    try:
-        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode() + body)
-        await writer.drain()
-        status = (await reader.readline()).decode()
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # headers
-        if " 200 " not in status:
-            result.error = status.strip()
-            return result
-        buffer = b""
-        while True:
-            size_line = await reader.readline()
-            size = int(size_line.strip() or b"0", 16)
-            if size == 0:
-                break
-            buffer += await reader.readexactly(size)
-            await reader.readexactly(2)
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                data = event.decode().removeprefix("data: ")
-                if data == "[DONE]":
-                    return result
-                payload = json.loads(data)
-                if "error" in payload:
-                    result.error = payload["error"]["message"]
-                    return result
-                for choice in payload["choices"]:
-                    tokens = choice["delta"].get("token_ids", [])
-                    if tokens:
-                        result.token_times.append(time.perf_counter())
-                        result.output_tokens += len(tokens)
-        return result
-    finally:
-        writer.close()
+def chat_body(conversation: list[dict], max_tokens: int, **extra) -> dict:
+    """A streamed greedy chat completion with token ids to count its tokens by; with ignore_eos
+    (unless `extra` overrides it) it produces exactly `max_tokens`."""
+    return {"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, **extra}
 
 
 def output_lengths(n: int, seed: int, mean: int, range_ratio: float) -> list[int]:
@@ -129,15 +66,16 @@ def output_lengths(n: int, seed: int, mean: int, range_ratio: float) -> list[int
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def run_clients(url: str, conversations: list[list[dict]], concurrency: int, max_tokens: list[int],
+async def run_clients(url: str, bodies: list[dict], concurrency: int,
                       api_key: str | None) -> tuple[list[RequestResult], float]:
-    queue = list(enumerate(conversations))
-    results: list[RequestResult | None] = [None] * len(conversations)
+    """A closed loop: each of `concurrency` clients sends its next request when the last one ends."""
+    queue = list(enumerate(bodies))
+    results: list[RequestResult | None] = [None] * len(bodies)
 
     async def client() -> None:
         while queue:
-            index, conversation = queue.pop(0)
-            results[index] = await stream_one(url, conversation, max_tokens[index], api_key)
+            index, body = queue.pop(0)
+            results[index] = await stream_chat(url, body, api_key)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -239,7 +177,7 @@ def probe_latency(url: str, llm, rounds: int, words: tuple[int, int], max_tokens
     ttfts: dict[tuple[str, str], list[float]] = {}
 
     def http(i, kind):
-        result = asyncio.run(stream_one(url, http_convs[i], max_tokens, api_key))
+        result = asyncio.run(stream_chat(url, chat_body(http_convs[i], max_tokens), api_key))
         if result.error or not result.token_times:
             raise RuntimeError(f"probe request failed: {result.error}")
         ttfts.setdefault(("http", kind), []).append(result.ttft)
@@ -365,7 +303,7 @@ def main() -> None:
         from engine import LLM, SamplingParams
         llm = LLM(args.model_path, **engine_options)
         llm.generate([llm.apply_chat_template(c) for c in warmup], SamplingParams(max_tokens=4))
-        asyncio.run(run_clients(url, warmup, 2, [4, 4], args.api_key))
+        asyncio.run(run_clients(url, [chat_body(c, 4) for c in warmup], 2, args.api_key))
         server_results, offline_results, server_elapsed, offline_elapsed = [], [], 0.0, 0.0
         for round_index in range(0 if args.probe_only else args.rounds):
             # Fresh conversations each round (no prefix shared with the last round's), and the
@@ -375,10 +313,11 @@ def main() -> None:
             conversations = make_conversations(args.num_requests, round_index, *args.prompt_words,
                                                label=f"Round {round_index} request")
             budgets = output_lengths(args.num_requests, round_index, args.max_tokens, args.output_range_ratio)
+            bodies = [chat_body(c, n) for c, n in zip(conversations, budgets)]
             for side in (("server", "offline") if round_index % 2 == 0 else ("offline", "server")):
                 if side == "server":
                     results, elapsed = asyncio.run(
-                        run_clients(url, conversations, args.concurrency, budgets, args.api_key))
+                        run_clients(url, bodies, args.concurrency, args.api_key))
                     server_results += results
                     server_elapsed += elapsed
                 else:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import random
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import websockets
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.http_client import abort, read_head, send_request, sse_events  # noqa: E402
 
 WORDS = ("river stone lantern garden harbor violin orbit maple copper signal winter meadow engine "
          "pilot canyon marble thunder ribbon falcon tide summit glacier ember willow").split()
@@ -192,13 +193,9 @@ async def http_request(load: Load, rng: random.Random, result: Result, streaming
     body = json.dumps({"messages": [{"role": "user", "content": prompt(rng)}], "stream": streaming,
                        "max_tokens": rng.randint(max(1, args.max_tokens // 2), args.max_tokens),
                        "temperature": 0.8, "seed": rng.randrange(2**31)}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{load.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     started = time.monotonic()
-    reader, writer = await asyncio.open_connection("127.0.0.1", load.port)
+    reader, writer = await send_request("127.0.0.1", load.port, "POST", "/v1/chat/completions", body)
     try:
-        writer.write(head + body)
-        await writer.drain()
         if result.plan == "disconnect" and not streaming:
             abort(writer)
             result.outcome = "disconnected"
@@ -241,47 +238,11 @@ async def http_request(load: Load, rng: random.Random, result: Result, streaming
         writer.close()
 
 
-async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict]:
-    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    return int(lines[0].split()[1]), headers
-
-
-async def sse_events(reader: asyncio.StreamReader, headers: dict):
-    """The `data:` payloads of an SSE body (chunked or not)."""
-    chunked = headers.get("transfer-encoding") == "chunked"
-    buffer = b""
-    while True:
-        if chunked:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                return
-            data = (await reader.readexactly(size + 2))[:-2]
-        else:
-            data = await reader.read(65536)
-            if not data:
-                return
-        buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: "):
-                    yield line[6:].decode()
-
-
 def error_code(data: bytes) -> str:
     try:
         return json.loads(data)["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return "unparsed"
-
-
-def abort(writer: asyncio.StreamWriter) -> None:
-    """Drop the connection at once: a RST, no FIN and no close frame."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
 
 
 class RealtimeConnection:

@@ -30,15 +30,15 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serve import RequestResult, make_conversations, output_lengths, start_server, summarize
+from benchmarks.http_client import RequestResult  # noqa: E402
+from benchmarks.serve import chat_body as serve_chat_body  # noqa: E402
+from benchmarks.serve import make_conversations, output_lengths, run_clients, start_server, summarize  # noqa: E402
 
 VOCAB_SIZE = 49152  # the default model's
 
@@ -118,78 +118,12 @@ WORKLOAD_SCHEMA = "facts"
 
 # --- serving ---------------------------------------------------------------------------
 
-@dataclass
-class Answer(RequestResult):
-    text: str = ""
-    finish: str | None = None
-
-
-async def stream_chat(url: str, body: dict, api_key: str | None) -> Answer:
-    """One streamed chat completion, keeping its text and finish reason (serve.py's client
-    keeps only token times, and sends a fixed body)."""
-    target = urlparse(url)
-    payload = json.dumps(body).encode()
-    headers = ["POST /v1/chat/completions HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
-               f"Content-Length: {len(payload)}", "Connection: close"]
-    if api_key:
-        headers.append(f"Authorization: Bearer {api_key}")
-    answer = Answer(sent=time.perf_counter())
-    reader, writer = await asyncio.open_connection(target.hostname, target.port)
-    try:
-        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode() + payload)
-        await writer.drain()
-        status = (await reader.readline()).decode()
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # headers
-        if " 200 " not in status:
-            answer.error = f"{status.strip()}: {(await reader.read()).decode(errors='replace')[:500]}"
-            return answer
-        buffer = b""
-        while size := int((await reader.readline()).strip() or b"0", 16):  # chunked encoding
-            buffer += await reader.readexactly(size)
-            await reader.readexactly(2)
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                data = event.decode().removeprefix("data: ")
-                if data == "[DONE]":
-                    return answer
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    answer.error = chunk["error"]["message"]
-                    return answer
-                for choice in chunk["choices"]:
-                    if choice["delta"].get("token_ids"):
-                        answer.token_times.append(time.perf_counter())
-                        answer.output_tokens += len(choice["delta"]["token_ids"])
-                    answer.text += choice["delta"].get("content") or ""
-                    answer.finish = choice["finish_reason"] or answer.finish
-        return answer
-    finally:
-        writer.close()
-
-
-async def run_clients(url: str, bodies: list[dict], concurrency: int,
-                      api_key: str | None) -> tuple[list[Answer], float]:
-    """serve.py's closed loop: each client sends its next request when the last one ends."""
-    queue = list(enumerate(bodies))
-    answers: list[Answer | None] = [None] * len(bodies)
-
-    async def client() -> None:
-        while queue:
-            index, body = queue.pop(0)
-            answers[index] = await stream_chat(url, body, api_key)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return answers, time.perf_counter() - start
-
-
 def chat_body(conversation: list[dict], max_tokens: int, schema: dict | None, ignore_eos: bool = True) -> dict:
-    body = {"messages": conversation, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos,
-            "stream": True, "return_token_ids": True}
+    """serve.py's request, constrained to `schema` when there is one."""
+    extra = {"ignore_eos": ignore_eos}
     if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    return body
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    return serve_chat_body(conversation, max_tokens, **extra)
 
 
 def leading_json(text: str):
@@ -210,7 +144,7 @@ def schema_validator(schema: dict):
     return jsonschema.Draft202012Validator(schema).is_valid
 
 
-def check_answers(answers: list[Answer], schema: dict) -> dict:
+def check_answers(answers: list[RequestResult], schema: dict) -> dict:
     """How the schema answers ended: finish reasons, JSON closed within the budget, valid."""
     is_valid = schema_validator(schema)
     counts = {"answers": len(answers), "stopped": 0, "json_closed": 0, "json_valid": 0,
