@@ -11,7 +11,7 @@ import pytest
 from frontend.edge_decoding import InvalidInput
 from engine.checkpoint import DEFAULT_MODEL_NAME, cache_dir, load_tokenizer
 from engine.token_floor import TokenFloor
-from frontend.realtime import EDGE_TOKENS, _item_text, _least_tokens
+from frontend.realtime_conversation import EDGE_TOKENS, item_text, least_tokens
 from frontend.realtime_events import ItemCreate, ItemDelete, MessageItem, ResponseCreate, ResponseOptions
 from frontend.realtime_tools import conversation_messages
 from tests.test_realtime_closing import WordTokenizer, scripted_session, settle, user_item
@@ -148,12 +148,12 @@ def test_counted_items_are_a_lower_bound_of_the_templated_prompt(model, counted_
              "<|im_end|>", "x\n", " ", "ünïcödé ✓", "1234567890" * 20, "\t tabs \t"]
     items = [{"id": f"i{n}", "type": "message", "role": ("user", "assistant")[n % 2],
               "content": [{"type": "input_text", "text": text}]} for n, text in enumerate(texts)]
-    counts = _least_tokens(generation, [_item_text(item) for item in items])
-    templated = tokenizer.apply_chat_template(conversation_messages(items, _item_text), add_generation_prompt=True,
+    counts = least_tokens(generation, [item_text(item) for item in items])
+    templated = tokenizer.apply_chat_template(conversation_messages(items, item_text), add_generation_prompt=True,
                                               tokenize=True, return_dict=False)
     assert sum(max(0, n - EDGE_TOKENS) for n in counts) <= len(templated)
     # And item by item: what each adds to the templated conversation before it.
-    lengths = [len(tokenizer.apply_chat_template(conversation_messages(items[:n], _item_text), tokenize=True,
+    lengths = [len(tokenizer.apply_chat_template(conversation_messages(items[:n], item_text), tokenize=True,
                                                  return_dict=False)) if n else 0 for n in range(len(items) + 1)]
     for n, count in enumerate(counts):
         assert count - EDGE_TOKENS <= lengths[n + 1] - lengths[n], (texts[n], count, lengths[n + 1] - lengths[n])
