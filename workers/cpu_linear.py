@@ -24,7 +24,9 @@ and benchmarks/perplexity.py):
   checkpoint converted from a Q4_1 GGUF file, as the default model is: the codes lose
   nothing) is "int4", where the CPU has native bfloat16 or the native 4-bit kernel runs
   without it (AVX2); the other layers are "bf16" where the CPU has native bfloat16, else
-  "none". So auto is exact only for a float32 checkpoint on a CPU without native bfloat16.
+  "none". A CPU with AVX-512 but without native bfloat16 (Skylake-SP to Ice Lake-SP) has
+  oneDNN's emulated bfloat16 product, slower than float32, and no rule here for it yet: auto
+  is exact there.
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
 with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
