@@ -128,8 +128,12 @@ async def stream_chat(url: str, body: dict, api_key: str | None) -> RequestResul
     target = urlparse(url)
     payload = json.dumps(body).encode()
     result = RequestResult(sent=time.perf_counter())
-    reader, writer = await send_request(target.hostname, target.port, "POST", "/v1/chat/completions", payload,
-                                        api_key=api_key)
+    try:
+        reader, writer = await send_request(target.hostname, target.port, "POST", "/v1/chat/completions", payload,
+                                            api_key=api_key)
+    except OSError as error:
+        result.error = f"could not connect: {error}"
+        return result
     try:
         status, headers = await read_head(reader)
         if status != 200:
@@ -151,6 +155,8 @@ async def stream_chat(url: str, body: dict, api_key: str | None) -> RequestResul
         result.error = "the stream ended without [DONE]"
     except asyncio.IncompleteReadError:
         result.error = "the connection closed mid-answer"
+    except OSError as error:  # reset mid-answer: one failed request, not a failed round
+        result.error = f"connection error: {error}"
     finally:
         writer.close()
     return result

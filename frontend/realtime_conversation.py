@@ -3,7 +3,9 @@
 One `Conversation` owns the items by id and every number kept about them: the bytes of their
 text (the session's instructions included), at least how many tokens each takes, how much
 audio each user item was and the clauses of each spoken answer. Items join, leave, are
-truncated and evicted only through its methods, so those numbers cannot drift from the items.
+truncated and evicted through its methods, so those numbers follow the items; the session
+adds the instructions' bytes and a response records its spoken clauses and announced ids
+directly.
 The session decides when (events, turns, answers); this module decides whether an item fits
 and what it costs. The functions below read items as plain dicts in the Realtime shape.
 """
