@@ -21,19 +21,16 @@ Run by the frontend as `python -m workers.encoder_process --config JSON --input 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 
 import msgspec
-import zmq
 
 from engine import protocol
 from engine.array_frames import items_from_frames, tensor_frame
 from engine.config import EngineConfig, global_encoder_cache_size
 from workers.encoder_batches import encoder_batches
-from workers.process_guard import run_worker, start_worker_process
+from workers.worker_loop import WorkerLoop, worker_main
 
 logger = logging.getLogger("antiphon.encoder")
 
@@ -46,25 +43,19 @@ WARM_UP_BATCH_SIZES = (1, 2, 4, 8)
 class EncoderWorker:
     def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
         self.config = config
-        self.context = zmq.Context()
-        self.inputs = self.context.socket(zmq.PULL)  # from the frontend
-        self.inputs.connect(addresses.input)
-        self.asks = self.context.socket(zmq.PULL)  # from the decoder
-        self.asks.bind(addresses.asks)
-        self.embeddings = self.context.socket(zmq.PUSH)  # to the decoder
-        self.embeddings.connect(addresses.embeddings)
-        self.outputs = self.context.socket(zmq.PUSH)  # to the frontend
-        self.outputs.connect(addresses.output)
-        self.poller = zmq.Poller()
-        self.poller.register(self.inputs, zmq.POLLIN)
-        self.poller.register(self.asks, zmq.POLLIN)
+        self.loop = WorkerLoop("encoder", addresses.input, addresses.output, protocol.decode_encoder_input,
+                               handle=self._handle_input, work=self._serve, on_beat=self._beat_stats)
+        self.outputs = self.loop.outputs  # where run_worker reports a failure
+        self.asks = self.loop.bind_pull(addresses.asks, self._take_ask)  # from the decoder
+        self.embeddings = self.loop.connect_push(addresses.embeddings)  # to the decoder
         self.encoder = None
         self.max_batch_embeddings = 0
+        # Asked for since the last batch, served together by the next.
+        self._asked: list[str] = []
         # Asked for before registered (or registered without pixels): mm_hash -> when asked.
         self.waiting_asks: dict[str, float] = {}
         # Items whose pixels the frontend has been asked for, not yet received.
         self.pixels_wanted: set[str] = set()
-        self._last_beat = 0.0
         self.output_address = addresses.output
         self.transcriber = None
 
@@ -94,7 +85,7 @@ class EncoderWorker:
                         "images); warmed up batch sizes %s in %.2f s", path.name, budget,
                         budget * adapter.embedding_size() * dtype.itemsize / (1 << 30),
                         budget // adapter.max_embeddings_per_item(), list(WARM_UP_BATCH_SIZES), seconds)
-        self.outputs.send(protocol.encode(protocol.WorkerReady(worker="encoder", pid=os.getpid())))
+        self.loop.ready()
 
     def _load_recognizer(self) -> None:
         import numpy as np
@@ -105,63 +96,43 @@ class EncoderWorker:
         started = time.perf_counter()
         recognizer = SpeechRecognizer(self.config.asr_model)
         recognizer.transcribe(np.zeros(16000, dtype=np.float32))  # first-call initialisation
-        self.transcriber = TranscriptionThread(recognizer, self.context, self.output_address,
+        self.transcriber = TranscriptionThread(recognizer, self.loop.context, self.output_address,
                                                max_wait_s=self.config.encoder_timeout_s)
         logger.info("speech recognizer loaded and warmed up in %.2f s", time.perf_counter() - started)
 
     def run(self) -> None:
-        while True:
-            wait_ms = max(0, int((self._last_beat + protocol.HEARTBEAT_INTERVAL_S - time.monotonic()) * 1000))
-            ready = dict(self.poller.poll(wait_ms))
-            asked: list[str] = []
-            # Take everything that has arrived, then encode it as one batch.
-            while self.inputs in ready or self.asks in ready:
-                if self.inputs in ready and not self._handle_input(self.inputs.recv_multipart(copy=False)):
-                    return
-                if self.asks in ready:
-                    asked += self._decode_ask(self.asks.recv())
-                ready = dict(self.poller.poll(0))
-            self._serve(asked)
-            # Beat on a clock, not only when idle: a steady stream of inputs must not keep
-            # the frontend from hearing that this loop is alive.
-            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
-                self._beat()
+        self.loop.run()
 
-    def _handle_input(self, frames) -> bool:
-        try:
-            message = protocol.decode_encoder_input(frames[0].bytes)
-        except msgspec.DecodeError as exc:
-            logger.error("skipped an undecodable input (%d bytes): %s", len(frames[0].bytes), exc)
-            return True
-        if isinstance(message, protocol.Shutdown):
-            return False
+    def _handle_input(self, message, frames) -> None:
         if isinstance(message, protocol.TranscribeAudio):
-            self._take_clip(message.request_id, message.owner, frames[1:])
-            return True
+            self._take_clip(message.request_id, message.owner, frames)
+            return
         if self.encoder is None:
-            return True
+            return
         if isinstance(message, protocol.RegisterItems):
             try:
-                items = items_from_frames(message.items, [f.buffer for f in frames[1:]])
+                items = items_from_frames(message.items, [f.buffer for f in frames])
             except (ValueError, TypeError) as exc:
                 logger.error("request %s: items refused: %s", message.request_id, exc)
-                return True
+                return
             self.encoder.register(message.request_id, items)
         elif isinstance(message, protocol.ReleaseItems):
             for request_id in message.request_ids:
                 self.encoder.release(request_id)
-        return True
 
-    @staticmethod
-    def _decode_ask(data: bytes) -> list[str]:
+    def _take_ask(self, frames) -> None:
+        data = frames[0].bytes
         try:
             message = protocol.decode_encoder_input(data)
         except msgspec.DecodeError as exc:
             logger.error("skipped an undecodable ask (%d bytes): %s", len(data), exc)
-            return []
-        return list(message.mm_hashes) if isinstance(message, protocol.EncodeItems) else []
+            return
+        if isinstance(message, protocol.EncodeItems):
+            self._asked += message.mm_hashes
 
-    def _serve(self, asked: list[str]) -> None:
+    def _serve(self) -> None:
+        """Serves every ask that has arrived as one batch (the loop's work, once a turn)."""
+        asked, self._asked = self._asked, []
         if self.encoder is None:
             for mm_hash in asked:
                 self._send(protocol.ItemEmbeddings(mm_hash=mm_hash, error="this model takes no images"))
@@ -177,7 +148,7 @@ class EncoderWorker:
                    if h not in self.pixels_wanted and self.encoder.registered_without_pixels(h)]
         if missing:
             self.pixels_wanted.update(missing)
-            self.outputs.send(protocol.encode(protocol.ItemsMissing(missing)))
+            self.loop.send(protocol.ItemsMissing(missing))
         for mm_hash, started in list(self.waiting_asks.items()):
             if now - started > self.config.encoder_timeout_s:
                 del self.waiting_asks[mm_hash]
@@ -198,12 +169,11 @@ class EncoderWorker:
                     header, frame = tensor_frame(mm_hash, embeddings)
                     self.embeddings.send_multipart([protocol.encode(header), frame], copy=False)
             # A long burst must not look like a hung encoder to the frontend's watchdog.
-            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
-                self._beat()
+            self.loop.beat_if_due()
         if ready:
             added, evicted = self.encoder.cache.take_changes()
             if added or evicted:
-                self.outputs.send(protocol.encode(protocol.CacheChanges(added, evicted)))
+                self.loop.send(protocol.CacheChanges(added, evicted))
             self._send_stats()  # /metrics follows each batch, not only the heartbeat
 
     def _take_clip(self, request_id: str, owner: str, frames) -> None:
@@ -219,42 +189,31 @@ class EncoderWorker:
             if not np.isfinite(samples).all():
                 error = "audio samples must be finite"
         if error is not None:
-            self.outputs.send(protocol.encode(protocol.AudioTranscript(request_id=request_id, error=error)))
+            self.loop.send(protocol.AudioTranscript(request_id=request_id, error=error))
         else:
             self.transcriber.submit(request_id, samples, owner)
 
     def _send(self, message: protocol.ItemEmbeddings) -> None:
         self.embeddings.send(protocol.encode(message))
 
-    def _beat(self) -> None:
-        self.outputs.send(protocol.encode(protocol.Heartbeat(worker="encoder", pid=os.getpid())))
+    def _beat_stats(self) -> None:
         if self.encoder is not None:
             self._send_stats()
-        self._last_beat = time.monotonic()
 
     def _send_stats(self) -> None:
         cache = self.encoder.cache
-        self.outputs.send(protocol.encode(protocol.EncoderStats(
+        self.loop.send(protocol.EncoderStats(
             items_encoded=cache.stats.items_encoded, cache_queries=cache.stats.queries, cache_hits=cache.stats.hits,
-            cache_used=cache.used, cache_budget=cache.budget, cache_items=len(cache))))
+            cache_used=cache.used, cache_budget=cache.budget, cache_items=len(cache)))
 
     def close(self) -> None:
         if self.transcriber is not None:
-            self.transcriber.stop()
-        for socket in (self.inputs, self.asks, self.embeddings, self.outputs):
-            socket.close(linger=0)
-        self.context.term()
+            self.transcriber.stop()  # its socket is on the loop's context
+        self.loop.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
-    for name in ("input", "asks", "embeddings", "output"):
-        parser.add_argument(f"--{name}", required=True)
-    args = parser.parse_args()
-    start_worker_process("encoder")
-    worker = EncoderWorker(EngineConfig(**json.loads(args.config)), args)
-    run_worker("encoder", worker)
+    worker_main("encoder", ("input", "asks", "embeddings", "output"), EncoderWorker)
 
 
 if __name__ == "__main__":
