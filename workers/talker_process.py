@@ -18,24 +18,20 @@ Run by the frontend as `python -m workers.talker_process --config JSON --input A
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import soxr
-import zmq
 
 from engine import protocol
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
-from workers.process_guard import run_worker, start_worker_process
+from workers.worker_loop import WorkerLoop, worker_main
 
 logger = logging.getLogger("antiphon.talker")
 
@@ -60,18 +56,14 @@ class SpokenAnswer:
 class TalkerWorker:
     def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
         self.config = config
-        self.context = zmq.Context()
-        self.inputs = self.context.socket(zmq.PULL)
-        self.inputs.connect(addresses.input)
-        self.outputs = self.context.socket(zmq.PUSH)  # control: ready, heartbeats
-        self.outputs.connect(addresses.output)
-        self.speech = self.context.socket(zmq.PUSH)  # audio, to the frontend
-        self.speech.connect(addresses.speech)
+        self.loop = WorkerLoop("talker", addresses.input, addresses.output, protocol.decode_talker_input,
+                               handle=self._handle, work=self._speak_next_clause, busy=self._has_clauses)
+        self.outputs = self.loop.outputs  # control: ready, heartbeats; where run_worker reports a failure
+        self.speech = self.loop.connect_push(addresses.speech)  # audio, to the frontend
         self.voice = None
         # Answers being spoken, in arrival order: the round robin walks it.
         self.answers: OrderedDict[str, SpokenAnswer] = OrderedDict()
         self.closed: OrderedDict[str, None] = OrderedDict()
-        self._last_beat = 0.0
         # Synthesis runs here, so that the loop's thread can beat while a clause is made.
         self._synthesis = ThreadPoolExecutor(1, thread_name_prefix="synthesis")
 
@@ -86,55 +78,37 @@ class TalkerWorker:
         if not len(self.voice.synthesize("Hello.")):
             raise RuntimeError("the voice says nothing for 'Hello.': is espeak-ng's data installed?")
         logger.info("voice %s loaded and warmed up in %.2f s", self.voice.voice_name, time.perf_counter() - started)
-        self.outputs.send(protocol.encode(protocol.WorkerReady(worker="talker", pid=os.getpid())))
+        self.loop.ready()
 
     def run(self) -> None:
-        while True:
-            busy = any(a.clauses for a in self.answers.values())
-            wait_ms = 0 if busy else max(0, int((self._last_beat + protocol.HEARTBEAT_INTERVAL_S
-                                                  - time.monotonic()) * 1000))
-            if self.inputs.poll(wait_ms):
-                while True:
-                    try:
-                        data = self.inputs.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if not self._handle(data):
-                        return
-            self._speak_next_clause()
-            if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
-                self._beat()
+        self.loop.run()
 
-    def _handle(self, data: bytes) -> bool:
+    def _has_clauses(self) -> bool:
+        return any(a.clauses for a in self.answers.values())
+
+    def _handle(self, message, frames) -> None:
+        """Takes one input; the talker's inputs carry no frames after their header."""
         from workers.speech.clause_splitter import ClauseSplitter
 
-        try:
-            message = protocol.decode_talker_input(data)
-        except msgspec.DecodeError as exc:
-            logger.error("skipped an undecodable input (%d bytes): %s", len(data), exc)
-            return True
-        if isinstance(message, protocol.Shutdown):
-            return False
         if isinstance(message, protocol.CancelSpeech):
             for request_id in message.request_ids:
                 self.answers.pop(request_id, None)
                 self._close(request_id)
-            return True
+            return
         if message.request_id in self.closed:
-            return True
+            return
         answer = self.answers.get(message.request_id)
         if answer is None:
             answer = SpokenAnswer(sample_rate=message.sample_rate, speed=message.speed, splitter=ClauseSplitter())
             self.answers[message.request_id] = answer
         if answer.text_complete:
-            return True  # text after the final message: the answer is already closed
+            return  # text after the final message: the answer is already closed
         answer.clauses += answer.splitter.feed(message.text)
         if message.final:
             answer.clauses += answer.splitter.flush()
             answer.text_complete = True
             if not answer.clauses:
                 self._finish(message.request_id)
-        return True
 
     def _speak_next_clause(self) -> None:
         request_id = next((r for r, a in self.answers.items() if a.clauses), None)
@@ -168,7 +142,7 @@ class TalkerWorker:
                 return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
             except FutureTimeout:
                 if time.monotonic() - started < SYNTHESIS_LIMIT_S:
-                    self._beat()
+                    self.loop.beat()
 
     def _to_client_rate(self, answer: SpokenAnswer, audio: np.ndarray) -> bytes:
         if answer.sample_rate != self.voice.sample_rate:
@@ -202,26 +176,13 @@ class TalkerWorker:
         else:
             self.speech.send(header)
 
-    def _beat(self) -> None:
-        self.outputs.send(protocol.encode(protocol.Heartbeat(worker="talker", pid=os.getpid())))
-        self._last_beat = time.monotonic()
-
     def close(self) -> None:
         self._synthesis.shutdown(wait=False, cancel_futures=True)
-        for socket in (self.inputs, self.outputs, self.speech):
-            socket.close(linger=0)
-        self.context.term()
+        self.loop.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
-    for name in ("input", "output", "speech"):
-        parser.add_argument(f"--{name}", required=True)
-    args = parser.parse_args()
-    start_worker_process("talker")
-    worker = TalkerWorker(EngineConfig(**json.loads(args.config)), args)
-    run_worker("talker", worker)
+    worker_main("talker", ("input", "output", "speech"), TalkerWorker)
 
 
 if __name__ == "__main__":
