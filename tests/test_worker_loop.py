@@ -3,6 +3,7 @@ of plain callables standing in for the encoder or the talker."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -52,16 +53,25 @@ def frontend(tmp_path):
     context.term()
 
 
-def running(worker: RecordingWorker) -> threading.Thread:
+@contextlib.contextmanager
+def running(worker: RecordingWorker, inputs):
+    """The worker's loop on a thread; a Shutdown must end it."""
     thread = threading.Thread(target=worker.loop.run, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield
+    finally:
+        inputs.send(protocol.encode(protocol.Shutdown()))
+        thread.join(timeout=10)
+        worker.loop.close()
+    assert not thread.is_alive(), "a Shutdown did not end the loop"
 
 
-def stopped(thread: threading.Thread, inputs) -> bool:
-    inputs.send(protocol.encode(protocol.Shutdown()))
-    thread.join(timeout=10)
-    return not thread.is_alive()
+def first_turn(worker: RecordingWorker) -> list:
+    deadline = time.monotonic() + 5
+    while not worker.turns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return worker.turns[0] if worker.turns else []
 
 
 def test_what_arrived_together_is_handled_before_one_work_call(tmp_path, frontend):
@@ -74,39 +84,24 @@ def test_what_arrived_together_is_handled_before_one_work_call(tmp_path, fronten
     side.send(b"ask")
     inputs.send(protocol.encode(protocol.ReleaseItems(["r2"])))
     time.sleep(0.2)
-    thread = running(worker)
-    try:
-        deadline = time.monotonic() + 5
-        while not worker.turns and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.turns == [[(release, [b"pixels"]), b"ask", (protocol.ReleaseItems(["r2"]), [])]]
-    finally:
-        assert stopped(thread, inputs), "a Shutdown did not end the loop"
-        worker.loop.close()
+    with running(worker, inputs):
+        assert first_turn(worker) == [(release, [b"pixels"]), b"ask", (protocol.ReleaseItems(["r2"]), [])]
 
 
 def test_an_undecodable_input_is_skipped_and_the_loop_goes_on(tmp_path, frontend, caplog):
     _, inputs, _, _ = frontend
     worker = RecordingWorker(tmp_path)
-    thread = running(worker)
-    try:
+    with running(worker, inputs):
         inputs.send(b"\xc1 not msgpack")
         inputs.send(protocol.encode(protocol.ReleaseItems(["r1"])))
-        deadline = time.monotonic() + 5
-        while not worker.turns and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [message for turn in worker.turns for message, _ in turn] == [protocol.ReleaseItems(["r1"])]
+        assert first_turn(worker) == [(protocol.ReleaseItems(["r1"]), [])]
         assert "skipped an undecodable input" in caplog.text
-    finally:
-        assert stopped(thread, inputs)
-        worker.loop.close()
 
 
 def test_the_loop_beats_on_a_clock_while_inputs_keep_arriving(tmp_path, frontend):
     _, inputs, outputs, _ = frontend
     worker = RecordingWorker(tmp_path)
-    thread = running(worker)
-    try:
+    with running(worker, inputs):
         beats = []
         deadline = time.monotonic() + 3.5
         while time.monotonic() < deadline:
@@ -120,22 +115,15 @@ def test_the_loop_beats_on_a_clock_while_inputs_keep_arriving(tmp_path, frontend
         assert len(beats) >= 3
         assert max(b - a for a, b in zip(beats, beats[1:])) < protocol.HEARTBEAT_INTERVAL_S + 0.5
         assert worker.beats_seen >= len(beats)  # on_beat goes with every heartbeat
-    finally:
-        assert stopped(thread, inputs)
-        worker.loop.close()
 
 
 def test_a_busy_worker_works_without_waiting_for_input_or_beat(tmp_path, frontend):
     _, inputs, _, _ = frontend
     worker = RecordingWorker(tmp_path, busy=True)
-    thread = running(worker)
-    try:
+    with running(worker, inputs):
         time.sleep(0.3)
         # Idle, the loop would sleep up to a heartbeat interval between turns.
         assert worker.work_calls > 10
-    finally:
-        assert stopped(thread, inputs)
-        worker.loop.close()
 
 
 def test_ready_names_the_worker(tmp_path, frontend):
