@@ -147,7 +147,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from workers.cpu_linear import auto_serves_int4, resolve_quantization
+    from workers.cpu.linear_modes import auto_serves_int4, resolve_quantization
 
     requested = os.environ.get("ANTIPHON_QUANTIZATION", "auto")
     default_mode = resolve_quantization(requested, torch.device("cpu"))
@@ -161,9 +161,9 @@ def main() -> None:
     engines["exact"], startup["exact"] = timed_load(lambda: LLM(quantization="none"))
     engines["default"], startup["default"] = timed_load(lambda: LLM(quantization=requested))
     # Timed steps run the C++ decode stack, as a server's do once it is built.
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    native_decode.wait_until_built(900)
+    native_library.wait_until_built(900)
     llama_builds = {} if args.no_llama_cpp else llama_cpp_binaries.ensure_builds()
     hf, startup["transformers"] = timed_load(lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa").eval())
@@ -293,7 +293,7 @@ def report(results, startup, fresh_process, default_mode, bandwidth, bytes_per_t
           f"default {med('default', 'batch') / med('default', 'decode'):.2f}x (aim: > 6; {streams} streams' total, "
           f"their prompts' prefill included, over one stream's decode){decode_alone}")
     if perplexities:
-        from workers.cpu_linear import AUTO_PERPLEXITY_BOUND
+        from workers.cpu.linear_modes import AUTO_PERPLEXITY_BOUND
 
         print(f"\n| mode | KV cache | perplexity (benchmarks/data/english.txt) | vs none | within auto's bound "
               f"({AUTO_PERPLEXITY_BOUND}x) |\n|---|---|---|---|---|")
@@ -310,7 +310,7 @@ def fresh_process_startup(quantization: str, cache: str) -> tuple[float, float]:
 
     code = ("import time; t = time.perf_counter(); from engine import LLM; "
             f"LLM(quantization={quantization!r}); e = time.perf_counter() - t; "
-            "from workers import native_decode; ready = native_decode.wait_until_built(900); "
+            "from workers.cpu import native_library; ready = native_library.wait_until_built(900); "
             "print(e, time.perf_counter() - t if ready else float('nan'))")
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as empty:

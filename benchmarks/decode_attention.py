@@ -1,5 +1,5 @@
 """Decode attention on the CPU: the native kernel that reads the paged cache in place
-(workers/native/decode_attention.cpp) against the torch path it replaces in the 4-bit modes
+(workers/cpu/csrc/native_attention.cpp) against the torch path it replaces in the 4-bit modes
 (paged_attention.decode_attention: each row's context gathered with index_select, then one
 SDPA call over the padded batch, masked where lengths differ).
 
@@ -10,7 +10,7 @@ microseconds per layer, best of the repetitions, and the ratio, on torch's threa
 by default). Per layer only: the torch path also builds each row's slot list on the host
 once a step, not counted here.
 
-    python benchmarks/decode_attention.py [--rows 1 4 16] [--contexts 128 512 2048] [--reps 5]
+    python benchmarks/native_attention.py [--rows 1 4 16] [--contexts 128 512 2048] [--reps 5]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def make_step(rows: int, context: int, generator: torch.Generator) -> dict:
 
 
 def pass_us(step: dict, kind: str) -> float:
-    from workers.cpu_decode_attention import attend
+    from workers.cpu.native_attention import attend
     from workers.paged_attention import decode_attention
 
     scale = HEAD_DIM ** -0.5
@@ -64,9 +64,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
 
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    if not native_decode.wait_until_built(600) or not torch.ops.antiphon_cpu.decode_attention_supported(HEAD_DIM):
+    if not native_library.wait_until_built(600) or not torch.ops.antiphon_cpu.decode_attention_supported(HEAD_DIM):
         raise SystemExit("the native decode attention needs the native library and AVX-512F on this CPU")
     generator = torch.Generator().manual_seed(0)
     print(f"decode attention, us per layer (best of {args.reps}; {HEADS} query heads, {KV_HEADS} KV heads of "

@@ -4,8 +4,8 @@ Over the default model's 211 linear layers' shapes as an exact-mode step calls t
 (SmolLM2-135M: per layer q 576 -> 576, k and v 576 -> 192, o 576 -> 576, gate and up 576 ->
 1536, down 1536 -> 576; the output matrix 576 -> 49152), each its own weights, so a pass reads
 them from memory as a decode step does (538 MB). For each row count: the native product
-(workers/native/float32_product.cpp, where this CPU has AVX-512F) and oneDNN's packed float32
-product (cpu_packed_linear.py, what exact mode used before, and uses where the native one does
+(workers/cpu/csrc/float32_product.cpp, where this CPU has AVX-512F) and oneDNN's packed float32
+product (packed_linear.py, what exact mode used before, and uses where the native one does
 not run), taking turns, best of the repetitions; and the read bandwidth of a 1 GiB sum, as
 benchmarks/cpu_peers.py measures it, for the one-row pass to be read against.
 
@@ -26,8 +26,8 @@ LAYERS = 30
 
 
 def build_layers(native: bool, layers_count: int = LAYERS) -> list[dict]:
-    from workers.cpu_float32_linear import Float32Linear
-    from workers.cpu_packed_linear import PackedLinear
+    from workers.cpu.float32_linear import Float32Linear
+    from workers.cpu.packed_linear import PackedLinear
 
     generator = torch.Generator().manual_seed(0)
     layers = []
@@ -50,9 +50,9 @@ def main() -> None:
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the 1 GiB read bandwidth line")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    native = native_decode.float32_product_available()
+    native = native_library.float32_product_available()
     layers = build_layers(native, args.layers)
     megabytes = sum(i * o for i, o in SHAPES * args.layers + [OUTPUT_MATRIX]) * 4 / 1e6
     kinds = (["native"] if native else []) + ["oneDNN"]

@@ -3,7 +3,7 @@
 Over the default model's 210 linear layers' shapes as a decode step calls them, 120 products
 (SmolLM2-135M: per layer q/k/v fused 576 -> 960, o 576 -> 576, gate/up fused 576 -> 3072, down
 1536 -> 576), each its own weights, so a pass reads them from memory as a decode step does.
-For each row count: the native kernel (workers/native/int4_product.cpp, VNNI or AVX2, where this
+For each row count: the native kernel (workers/cpu/csrc/int4_product.cpp, VNNI or AVX2, where this
 CPU has one), torch's `_weight_int4pack_mm_for_cpu` and oneDNN's dense product of the same
 weights (what prompt rows use: bfloat16 where oneDNN has a bfloat16 product, else float32);
 each pass calls the 120 products from Python, the kinds taking turns, best of the repetitions.
@@ -23,8 +23,8 @@ LAYERS = 30
 
 
 def build_layers(native: bool, dense_dtype: torch.dtype) -> list[dict]:
-    from workers.cpu_int4 import quantize_int4
-    from workers.cpu_packed_linear import PackedLinear
+    from workers.cpu.int4 import quantize_int4
+    from workers.cpu.packed_linear import PackedLinear
 
     generator = torch.Generator().manual_seed(0)
     layers = []
@@ -69,10 +69,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from workers import cpu_int4
-    from workers.cpu_packed_linear import can_pack_bf16
+    from workers.cpu import int4
+    from workers.cpu.packed_linear import can_pack_bf16
 
-    native = cpu_int4.native_kernel_available()
+    native = int4.native_kernel_available()
     dense_dtype = torch.bfloat16 if can_pack_bf16() else torch.float32
     layers = build_layers(native, dense_dtype)
     kinds = (["native"] if native else []) + ["torch", "dense"]

@@ -1,4 +1,4 @@
-"""The native RMSNorm and output-layer rescoring (workers/native/rms_norm.cpp, rescore_top.cpp)
+"""The native RMSNorm and output-layer rescoring (workers/cpu/csrc/rms_norm.cpp, rescore_top.cpp)
 against torch's, in one process: two engines of the same mode, one built with them and one
 without (model_loader.choose_native_parts decides at load), taking turns inside each round.
 
@@ -22,8 +22,8 @@ import torch
 
 def native_parts(model: torch.nn.Module) -> str:
     """What a loaded model runs: its norms' and its output layer's kernels."""
-    from workers.cpu_output_layer import RescoredOutputLayer
-    from workers.fused_rms_norm import FusedRMSNorm
+    from workers.cpu.output_layer import RescoredOutputLayer
+    from workers.cpu.rms_norm import FusedRMSNorm
 
     norms = {module.native for module in model.modules() if isinstance(module, FusedRMSNorm)}
     output = model.get_output_embeddings()
@@ -40,16 +40,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     from engine import LLM, SamplingParams
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    if not native_decode.wait_until_built(native_decode.NATIVE_BUILD_WAIT_SECONDS):
+    if not native_library.wait_until_built(native_library.NATIVE_BUILD_WAIT_SECONDS):
         parser.error("the native library did not build here: nothing to compare")
-    saved = native_decode.rms_norm_available, native_decode.rescore_top_available
-    native_decode.rms_norm_available = native_decode.rescore_top_available = lambda: False
+    saved = native_library.rms_norm_available, native_library.rescore_top_available
+    native_library.rms_norm_available = native_library.rescore_top_available = lambda: False
     try:
         engines = {"torch's": LLM(quantization=args.mode)}
     finally:
-        native_decode.rms_norm_available, native_decode.rescore_top_available = saved
+        native_library.rms_norm_available, native_library.rescore_top_available = saved
     engines["native"] = LLM(quantization=args.mode)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rates = {name: {n: [] for n in args.streams} for name in engines}

@@ -2,7 +2,7 @@
 
 The text (benchmarks/data/english.txt, written for this repo) is scored in windows of
 `--window` tokens; each mode converts the same float32 checkpoint with the engine's own code
-(workers/cpu_linear.py), so the numbers say what a mode costs in quality. `--kv-cache-dtype
+(workers/cpu/linear_modes.py), so the numbers say what a mode costs in quality. `--kv-cache-dtype
 bfloat16` scores the modes with their keys and values rounded as a bfloat16 KV cache holds
 them (workers/kv_cache_dtype.py).
 
@@ -42,16 +42,16 @@ def load_text_model(mode: str, kv_cache_dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.checkpoint import ensure_default_model
-    from workers import native_decode
-    from workers.cpu_linear import prepare_linear_layers
+    from workers.cpu import native_library
+    from workers.cpu.linear_modes import prepare_linear_layers
     from workers.model_loader import choose_native_parts
 
     # The native kernels as a served model finds them (models with native layers wait for them).
-    native_decode.wait_until_built(native_decode.NATIVE_BUILD_WAIT_SECONDS)
+    native_library.wait_until_built(native_library.NATIVE_BUILD_WAIT_SECONDS)
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     if mode == "auto":
-        from workers.cpu_linear import resolve_quantization
+        from workers.cpu.linear_modes import resolve_quantization
         resolved = resolve_quantization("auto", torch.device("cpu"))
         prepare_linear_layers(model, resolved, int4_where_exact=True)
     else:
@@ -84,46 +84,45 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
 
 def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict[str, tuple[float, str]]:
     """mode -> (perplexity, the KV cache's dtype when served)."""
-    from workers import cpu_int4
+    from workers.cpu.row_layout import KernelRowLimits, StepRows
+    from workers.forward_context import forward_context
     from workers.kv_cache_dtype import name
 
     results = {}
     for mode in modes:
         model, tokenizer, kv_dtype = load_text_model(mode, kv_cache_dtype)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
-        # 4-bit layers run their bfloat16 copy above a kernel's row limit (cpu_int4.py); scoring
-        # whole windows through the 4-bit kernel instead measures what decoding one stream uses.
-        saved = cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS
-        cpu_int4.MAX_INT4_ROWS = cpu_int4.MAX_NATIVE_INT4_ROWS = window
-        try:
+        # 4-bit layers run their copy above a kernel's row limit (workers/cpu/row_layout.py);
+        # scoring whole windows as generated rows on the 4-bit kernel instead measures what
+        # decoding one stream uses.
+        on_the_kernel = StepRows(limits=KernelRowLimits(torch_int4=window, native_int4=window))
+        with forward_context(rows=on_the_kernel):
             results[mode] = perplexity(model, token_ids, window), name(kv_dtype)
-        finally:
-            cpu_int4.MAX_INT4_ROWS, cpu_int4.MAX_NATIVE_INT4_ROWS = saved
         del model
     return results
 
 
 def main() -> None:
-    from workers.cpu_linear import QUANTIZATION_MODES
+    from workers.cpu.linear_modes import QUANTIZATION_MODES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
                         help="score with keys and values as a KV cache of this dtype holds them (auto: the model's)")
     parser.add_argument("--int4-kernel", choices=["process", "native", "torch"], default="process",
-                        help="the 4-bit layers' kernel (cpu_int4.py): the one serving would use, or either")
+                        help="the 4-bit layers' kernel (int4.py): the one serving would use, or either")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from workers import cpu_int4
+    from workers.cpu import int4
 
     if args.int4_kernel != "process":
         forced = args.int4_kernel == "native"
-        if forced and not cpu_int4.native_kernel_available():
+        if forced and not int4.native_kernel_available():
             parser.error("the native 4-bit kernel is not available here (AVX-512 VNNI or AVX2, and the native library)")
-        cpu_int4.native_kernel_available = lambda wait=True: forced
-    kernel = "native" if cpu_int4.native_kernel_available() else "torch's"
+        int4.native_kernel_available = lambda wait=True: forced
+    kernel = "native" if int4.native_kernel_available() else "torch's"
     started = time.perf_counter()
-    from workers.cpu_linear import resolve_quantization
+    from workers.cpu.linear_modes import resolve_quantization
 
     servable = []
     for mode in [*QUANTIZATION_MODES, "auto"]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.executor import KVCacheSpec
 
-# How a CPU may serve the linear layers (workers/cpu_linear.py).
+# How a CPU may serve the linear layers (workers/cpu/linear_modes.py).
 QUANTIZATION_MODES = ("none", "bf16", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GRAPH_MODES = ("auto", "off", "padded-eager")
@@ -80,7 +80,7 @@ class EngineConfig:
     # Memory of that global cache. It is sized apart from the decoder's budget above: that
     # one bounds what a step may hold, this one how many distinct images stay encoded.
     encoder_cache_gib: float = 1.0
-    # How a CPU serves the linear layers (workers/cpu_linear.py): "none" is exact, "bf16" and
+    # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
     quantization: str = dataclasses.field(default_factory=lambda: os.environ.get("ANTIPHON_QUANTIZATION", "auto"))

@@ -34,7 +34,7 @@ def _needs_bf16_modes(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    from workers.cpu_linear import can_pack_bf16
+    from workers.cpu.linear_modes import can_pack_bf16
 
     if can_pack_bf16():
         return
@@ -47,40 +47,40 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def native_decode_stack():
-    """The C++ decode stack (workers/native_decode.py) built, or loaded from $ANTIPHON_CACHE,
+    """The C++ decode stack (workers/cpu/native_library.py) built, or loaded from $ANTIPHON_CACHE,
     before any engine starts: every test then runs the step path users run, whatever the
     timing of a background build. If it cannot be built the suite runs the Python forward
     (bitwise the same) and tests/test_lean_decoder.py fails."""
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    native_decode.wait_until_built(timeout=900)
+    native_library.wait_until_built(timeout=900)
 
 
 @pytest.fixture(autouse=True)
 def native_kernel_decisions():
-    """The process's native kernel decisions (native_decode.int4_product_available and
+    """The process's native kernel decisions (native_library.int4_product_available and
     float32_product_available) as they were before each test: a test that turns the native
     library off must not decide them for the tests after."""
-    from workers import native_decode
+    from workers.cpu import native_library
 
-    saved = {kernel: native_decode._state.get(kernel) for kernel in native_decode.KERNELS}
+    saved = {kernel: native_library._state.get(kernel) for kernel in native_library.KERNELS}
     yield
     for kernel, decision in saved.items():
         if decision is None:
-            native_decode._state.pop(kernel, None)
+            native_library._state.pop(kernel, None)
         else:
-            native_decode._state[kernel] = decision
+            native_library._state[kernel] = decision
 
 
 @pytest.fixture(params=["native", "torch"])
 def int4_kernel(request, monkeypatch) -> bool:
-    """4-bit layers on each kernel (cpu_int4.Int4Product); True for the native one."""
-    from workers import cpu_int4, native_decode
+    """4-bit layers on each kernel (int4.Int4Product); True for the native one."""
+    from workers.cpu import int4, native_library
 
     native = request.param == "native"
-    if native and not native_decode.int4_product_available():
+    if native and not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: native)
+    monkeypatch.setattr(int4, "native_kernel_available", lambda wait=True: native)
     return native
 
 

@@ -1,5 +1,5 @@
 """The default model's fast path on x86-64 CPUs without AVX-512 (AVX2, FMA and F16C): the native
-4-bit kernel's AVX2 variant (workers/native/int4_product_avx2.cpp) for generated rows, and a
+4-bit kernel's AVX2 variant (workers/cpu/csrc/int4_product_avx2.cpp) for generated rows, and a
 float32 copy of the same weights for prompt rows where oneDNN has no bfloat16 product.
 
 (Test names here avoid the words that tests/conftest.py skips on such CPUs: these run there.)"""
@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from tests.test_cpu_int4 import linear_on_grid, native_reference
-from workers import cpu_int4, cpu_linear, native_decode, step_rows
-from workers.cpu_int4 import Int4Linear, quantize_int4
-from workers.cpu_linear import prepare_linear_layers
-from workers.cpu_packed_linear import PackedLinear
+from workers.cpu import int4, linear_modes, native_library, row_layout
+from workers.cpu.row_layout import KernelRowLimits, StepRows
+from workers.forward_context import forward_context
+from workers.cpu.int4 import Int4Linear, quantize_int4
+from workers.cpu.linear_modes import prepare_linear_layers
+from workers.cpu.packed_linear import PackedLinear
 
 
 def native_isa() -> str:
-    if not native_decode.wait_until_built(timeout=600):
+    if not native_library.wait_until_built(timeout=600):
         pytest.skip("the native library is not built here")
     return torch.ops.antiphon_cpu.int4_product_isa()
 
@@ -24,7 +26,7 @@ def native_isa() -> str:
 def test_the_avx2_kernel_computes_the_8bit_input_times_the_four_bit_codes(rows):
     if native_isa() == "none":
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native library cannot serve here")
     linear = linear_on_grid(160, 48, seed=rows)
     quantized = quantize_int4(linear.weight)
@@ -59,7 +61,7 @@ def with_awkward_groups(x: torch.Tensor) -> torch.Tensor:
 def test_the_avx2_kernel_answers_non_finite_values_for_rows_with_a_nan_or_an_infinity():
     """A non-finite input never becomes a finite wrong number: a NaN makes its row's outputs
     NaN, an infinity makes them NaN or infinite; the other rows are untouched."""
-    if native_isa() == "none" or not native_decode.int4_product_available():
+    if native_isa() == "none" or not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel does not run here")
     product = quantize_int4(linear_on_grid(192, 32, seed=7).weight).product()
     x = torch.randn(6, 192, generator=torch.Generator().manual_seed(7))
@@ -88,11 +90,11 @@ def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_c
     """On a CPU where oneDNN computes no bfloat16, `auto` serves the layers whose weights are
     4-bit already on the native kernel, and their prompt rows on a float32 copy of those very
     weights (exact for a checkpoint on the grid); other layers stay exact float32."""
-    if native_isa() == "none" or not native_decode.int4_product_available():
+    if native_isa() == "none" or not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel does not run here")
-    for module in (cpu_linear, cpu_int4):
+    for module in (linear_modes, int4):
         monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
-    assert cpu_linear.auto_serves_int4("none") and cpu_linear.auto_serves_int4("bf16")
+    assert linear_modes.auto_serves_int4("none") and linear_modes.auto_serves_int4("bf16")
     on_grid, other = linear_on_grid(64, 32), torch.nn.Linear(32, 16)
     model = torch.nn.Sequential(on_grid, other)
     counts = prepare_linear_layers(model, "none", int4_where_exact=True)
@@ -101,7 +103,7 @@ def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_c
     assert not isinstance(model[1], Int4Linear) and counts["int4"] == 1
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     # Prompt rows (none of them generated): the float32 copy, the layer's own weights.
-    with step_rows.prompt_step(generated=0, tokens=5):
+    with forward_context(rows=StepRows(tokens=5, generated=0)):
         prompt = model[0](x)
     torch.testing.assert_close(prompt, on_grid(x), rtol=1e-5, atol=1e-5)
     # Generated rows: the kernel's 8-bit input.
@@ -109,8 +111,8 @@ def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_c
     assert torch.equal(generated, model[0].int4(x))
     # The other modes still need a bfloat16 product.
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu_linear.resolve_quantization("bf16", torch.device("cpu"))
-    assert cpu_linear.resolve_quantization("int4", torch.device("cpu")) == "int4"
+        linear_modes.resolve_quantization("bf16", torch.device("cpu"))
+    assert linear_modes.resolve_quantization("int4", torch.device("cpu")) == "int4"
 
 
 def test_decode_steps_past_the_kernels_rows_take_the_float32_copy_and_match_the_model_bitwise(tmp_path, monkeypatch):
@@ -121,13 +123,13 @@ def test_decode_steps_past_the_kernels_rows_take_the_float32_copy_and_match_the_
     from tests.test_lean_decoder import generate_every_kind_of_step, run_both_forwards
     from tests.tiny_models import save_tiny_checkpoint
 
-    if native_isa() == "none" or not native_decode.int4_product_available():
+    if native_isa() == "none" or not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel does not run here")
-    for module in (cpu_linear, cpu_int4):
+    for module in (linear_modes, int4):
         monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: False)
     # 12 streams then take the copy; up to 10 rows the kernel.
-    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 10)
+    monkeypatch.setattr(row_layout, "KERNEL_ROW_LIMITS", KernelRowLimits(native_int4=10))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

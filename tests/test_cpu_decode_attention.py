@@ -1,4 +1,4 @@
-"""The native decode attention (workers/native/decode_attention.cpp) reads each row's context
+"""The native decode attention (workers/cpu/csrc/native_attention.cpp) reads each row's context
 from the paged cache through its block table: it agrees with SDPA over the gathered contexts to
 float32's precision, the engine's steps give the logits SDPA gives, a row's result does not
 depend on its batch, and bad blocks or lengths are refused."""
@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from tests.test_lean_decoder import generate_every_kind_of_step
-from workers import cpu_decode_attention, native_decode
+from workers.cpu import native_attention, native_library
 from workers.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module", autouse=True)
 def library():
-    if not native_decode.wait_until_built(timeout=600) or not cpu_decode_attention_supported(64):
+    if not native_library.wait_until_built(timeout=600) or not cpu_decode_attention_supported(64):
         pytest.skip("the native decode attention needs the native library and AVX-512F")
 
 
@@ -43,7 +43,7 @@ def paged_batch(rows: int, heads: int, kv_heads: int, head_dim: int, lengths: li
 
 
 def attend(q, key_cache, value_cache, tables, lengths, scale):
-    return cpu_decode_attention.attend(q, key_cache, value_cache, tables, lengths, BLOCK, scale)
+    return native_attention.attend(q, key_cache, value_cache, tables, lengths, BLOCK, scale)
 
 
 def slots_of(tables, lengths):
@@ -146,7 +146,7 @@ def test_bad_blocks_lengths_and_shapes_are_refused():
         with pytest.raises(RuntimeError, match="context length"):
             attend(q, keys, values, tables, torch.tensor(wrong), 0.125)
     with pytest.raises(RuntimeError, match="whole blocks"):
-        cpu_decode_attention.attend(q, keys, values, tables, lens, 24, 0.125)
+        native_attention.attend(q, keys, values, tables, lens, 24, 0.125)
     with pytest.raises(RuntimeError, match="cannot share"):
         attend(q[:, :3], keys, values, tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):
@@ -165,7 +165,7 @@ def test_the_engine_attends_natively_as_it_does_with_sdpa(tiny_checkpoints, arch
     llm = LLM(str(tiny_checkpoints[arch]), num_kv_blocks=256, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     # Exact mode attends natively where its float32 products are native.
-    assert runner.native_attention == native_decode.float32_product_available()
+    assert runner.native_attention == native_library.float32_product_available()
     forward = ModelRunner._forward
     steps = []
 
@@ -186,12 +186,12 @@ def test_the_engine_attends_natively_as_it_does_with_sdpa(tiny_checkpoints, arch
 
 
 def test_the_benchmark_runs_and_prints_its_rows():
-    """benchmarks/decode_attention.py, whose table the README quotes, still runs (one short pass)."""
+    """benchmarks/native_attention.py, whose table the README quotes, still runs (one short pass)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parent.parent / "benchmarks" / "decode_attention.py"
+    script = Path(__file__).parent.parent / "benchmarks" / "native_attention.py"
     done = subprocess.run([sys.executable, str(script), "--rows", "1", "3", "--contexts", "40", "--reps", "1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The native float32 product (workers/native/float32_product.cpp), exact mode's linear layers
+"""The native float32 product (workers/cpu/csrc/float32_product.cpp), exact mode's linear layers
 where the CPU has AVX-512F: float32 accuracy against a float64 reference, a
 row's result independent of its batch (up to the steps of 256 rows that oneDNN takes) and of
 the threads, NaN and infinity as F.linear gives them, bad inputs refused."""
@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import native_decode
-from workers.cpu_float32_linear import Float32Linear, can_tile, tile_weight
+from workers.cpu import native_library
+from workers.cpu.float32_linear import Float32Linear, can_tile, tile_weight
 
 
 @pytest.fixture(scope="module", autouse=True)
 def library():
-    if not native_decode.wait_until_built(timeout=600) or not torch.ops.antiphon_cpu.float32_product_supported():
+    if not native_library.wait_until_built(timeout=600) or not torch.ops.antiphon_cpu.float32_product_supported():
         pytest.skip("the native float32 product needs the native library and AVX-512F")
 
 

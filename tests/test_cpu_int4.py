@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from workers import cpu_int4, cpu_linear, cpu_output_layer, model_runner, native_decode, step_rows
-from workers.cpu_int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
-from workers.cpu_linear import prepare_linear_layers
-from workers.cpu_output_layer import EXACT_CANDIDATES, RescoredOutputLayer
-from workers.cpu_packed_linear import PackedLinear
+from workers import model_runner
+from workers.cpu import int4, linear_modes, output_layer, native_library
+from workers.cpu.row_layout import KERNEL_ROW_LIMITS, KernelRowLimits, StepRows
+from workers.forward_context import current, forward_context
+from workers.cpu.int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
+from workers.cpu.linear_modes import prepare_linear_layers
+from workers.cpu.output_layer import EXACT_CANDIDATES, RescoredOutputLayer
+from workers.cpu.packed_linear import PackedLinear
 from workers.sampler import sample
 
 
@@ -37,13 +40,13 @@ def rescore(request) -> bool:
     """Whether output layers made in the test rescore their candidates natively
     (rescore_top.cpp) or with torch's topk and batched product."""
     native = request.param == "native"
-    if native and not (native_decode.wait_until_built(timeout=600) and native_decode.rescore_top_available()):
+    if native and not (native_library.wait_until_built(timeout=600) and native_library.rescore_top_available()):
         pytest.skip("the native rescoring needs AVX-512F and the native library")
     return native
 
 
-def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.Tensor:
-    """What workers/native/int4_product.cpp computes, in float64 after its own rounding of the
+def native_reference(x: torch.Tensor, quantized: int4.Int4Weight) -> torch.Tensor:
+    """What workers/cpu/csrc/int4_product.cpp computes, in float64 after its own rounding of the
     input: per row and group of 32 inputs, integer codes round(x * (127 / max|x|)) (float32
     arithmetic, ties to even) at a step of max|x| / 127, times the 4-bit codes and float16
     scales, plus the float16 minimums times the quantized group's sum, step * sum(codes)."""
@@ -65,7 +68,7 @@ def native_reference(x: torch.Tensor, quantized: cpu_int4.Int4Weight) -> torch.T
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
 def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     linear = linear_on_grid(160, 48, seed=rows)
     quantized = quantize_int4(linear.weight)
@@ -81,7 +84,7 @@ def test_the_native_kernel_computes_its_8bit_input_times_the_4bit_weights(rows):
     assert all(torch.equal(product(x[i:i + 1]), out[i:i + 1]) for i in range(rows))
     # Side by side, two layers' outputs are bitwise each one's (q/k/v and gate/up fuse this way).
     other = quantize_int4(linear_on_grid(160, 32, seed=rows + 100).weight).product()
-    fused = cpu_int4.Int4Product.concatenate([product, other])
+    fused = int4.Int4Product.concatenate([product, other])
     assert torch.equal(fused(x), torch.cat([out, other(x)], dim=1))
     views = fused.column_views([48, 32])
     assert [tuple(v.shape[:1]) for v in views] == [(3,), (2,)] and views[1].data_ptr() != views[0].data_ptr()
@@ -91,9 +94,9 @@ def test_a_decode_row_computes_the_same_in_a_step_of_any_size_the_engine_schedul
     """4-bit layers run decode steps on the native kernel up to as many rows as the engine
     schedules streams by default (max_num_seqs): a row's output does not change when more
     streams join (the bfloat16 copy rounds its inputs otherwise), on every CPU (AMX too). 512 outputs: 32 tiles, shared by the threads by tiles and by rows."""
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: True)
+    monkeypatch.setattr(int4, "native_kernel_available", lambda wait=True: True)
     linear = linear_on_grid(128, 512)
     layer = Int4Linear(linear, quantize_int4(linear.weight))
     rows = EngineConfig().max_num_seqs
@@ -106,7 +109,7 @@ def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_doe
     """Zero and constant groups (a scale no code uses, rounding to 0) keep the native layout;
     a group past float16's range does not, and an output matrix with one such chunk picks its
     candidates on torch's kernel as a whole (one kernel per copy)."""
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     weight = linear_on_grid(64, 32).weight.detach().clone()
     weight[0, :32] = 0
@@ -118,15 +121,15 @@ def test_a_weight_whose_scales_do_not_fit_float16_takes_torchs_kernel_and_so_doe
     torch.testing.assert_close(product(x).double(), native_reference(x, quantized), rtol=1e-5, atol=1e-5)
     huge = linear_on_grid(64, 32, seed=2).weight.detach() * 1e7  # steps of ~1e4-1e5: past float16's range
     assert quantize_int4(huge).native_layout() is None and not quantize_int4(huge).product().native
-    monkeypatch.setattr(cpu_output_layer._Int4Selector, "CHUNK_ROWS", 32)  # the first chunk fits, the second not
-    assert cpu_output_layer._Int4Selector(torch.randn(64, 64)).product.native
-    selector = cpu_output_layer._Int4Selector(torch.cat([torch.randn(32, 64) * 0.05, huge]))
-    assert not selector.product.native and selector.product.kernel_max_rows == cpu_int4.MAX_INT4_ROWS
+    monkeypatch.setattr(output_layer._Int4Selector, "CHUNK_ROWS", 32)  # the first chunk fits, the second not
+    assert output_layer._Int4Selector(torch.randn(64, 64)).product.native
+    selector = output_layer._Int4Selector(torch.cat([torch.randn(32, 64) * 0.05, huge]))
+    assert not selector.product.native and selector.product.kernel_max_rows == KERNEL_ROW_LIMITS.torch_int4
     assert selector(torch.randn(2, 64)).shape == (2, 64)
 
 
 def test_the_native_kernel_checks_its_operands():
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     product = quantize_int4(linear_on_grid(64, 32).weight).product()
     with pytest.raises(RuntimeError, match="inputs"):
@@ -162,8 +165,8 @@ def test_int4_linear_computes_the_kernels_weights_product_for_single_rows_and_ba
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
     torch.manual_seed(0)
-    limit = cpu_int4.kernel_rows_limit(layer.int4.native)
-    assert limit == (cpu_int4.MAX_NATIVE_INT4_ROWS if int4_kernel else cpu_int4.MAX_INT4_ROWS)
+    limit = KERNEL_ROW_LIMITS.of(int4.kind_of(layer.int4.native))
+    assert limit == (KERNEL_ROW_LIMITS.native_int4 if int4_kernel else KERNEL_ROW_LIMITS.torch_int4)
     for rows in (1, 2, limit, limit + 1, 40):
         x = torch.randn(1, rows, 128)
         out = layer(x)
@@ -196,13 +199,13 @@ def test_both_paths_multiply_by_exactly_the_kernels_weights(monkeypatch):
     """One-hot rows read the weights back: torch's 4-bit kernel and the bfloat16 copy hold the
     same ones (bfloat16-rounded), those of the kernel's bfloat16 scales and zeros, not the
     float32-scale dequantization."""
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
+    monkeypatch.setattr(int4, "native_kernel_available", lambda wait=True: False)
     linear = linear_on_grid(64, 32, seed=7)
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
     eye = torch.eye(64)
-    four_bit = torch.cat([layer(eye[start:start + cpu_int4.MAX_INT4_ROWS])
-                          for start in range(0, 64, cpu_int4.MAX_INT4_ROWS)]).t()
+    four_bit = torch.cat([layer(eye[start:start + KERNEL_ROW_LIMITS.torch_int4])
+                          for start in range(0, 64, KERNEL_ROW_LIMITS.torch_int4)]).t()
     expected = quantized.kernel_weights().bfloat16().float()
     assert torch.equal(four_bit, expected)
     assert torch.equal(layer.batched(eye).t(), expected)
@@ -212,15 +215,15 @@ def test_both_paths_multiply_by_exactly_the_kernels_weights(monkeypatch):
 def test_the_native_kernel_and_its_bfloat16_copy_hold_the_float16_scaled_weights():
     """One-hot rows read the native kernel's weights back (up to the rounding of 1 / 127 * 127),
     and the batched copy holds the same weights, bfloat16-rounded."""
-    if not native_decode.int4_product_available():
+    if not native_library.int4_product_available():
         pytest.skip("the native 4-bit kernel needs AVX-512 VNNI or AVX2 and the native library")
     linear = linear_on_grid(64, 32, seed=7)
     quantized = quantize_int4(linear.weight)
     layer = Int4Linear(linear, quantized)
     assert layer.int4.native
     eye = torch.eye(64)
-    four_bit = torch.cat([layer(eye[start:start + cpu_int4.MAX_INT4_ROWS])
-                          for start in range(0, 64, cpu_int4.MAX_INT4_ROWS)]).t()
+    four_bit = torch.cat([layer(eye[start:start + KERNEL_ROW_LIMITS.torch_int4])
+                          for start in range(0, 64, KERNEL_ROW_LIMITS.torch_int4)]).t()
     torch.testing.assert_close(four_bit, quantized.native_weights(), rtol=1e-6, atol=1e-7)
     assert torch.equal(layer.batched(eye).t(), quantized.native_weights().bfloat16().float())
 
@@ -232,11 +235,11 @@ def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatc
     layer = Int4Linear(linear, quantize_int4(linear.weight))
     x = torch.randn(2, 256)
     four_bit = layer(x)
-    monkeypatch.setattr(cpu_int4, "MAX_INT4_ROWS", 0)
-    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 0)
+    with forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=0, native_int4=0))):
+        on_the_copy = layer(x)
     # The native kernel's 8-bit input (a step of max|x| / 127 per group of 32) rounds more than
     # bfloat16's: ~0.005 per output here (std), against ~0.001.
-    torch.testing.assert_close(layer(x), four_bit, rtol=0.01, atol=0.04 if int4_kernel else 0.004)
+    torch.testing.assert_close(on_the_copy, four_bit, rtol=0.01, atol=0.04 if int4_kernel else 0.004)
 
 
 def test_a_non_contiguous_weight_quantizes():
@@ -278,7 +281,7 @@ def test_the_default_model_is_4bit_already_so_auto_serves_every_layer_4bit(monke
 
     from engine.checkpoint import ensure_default_model
 
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
     counts = prepare_linear_layers(model, "bf16", int4_where_exact=True)
     assert counts == {"int4": 30 * 7, "output bf16 (top candidates float32)": 1}
@@ -343,13 +346,13 @@ def test_listed_rows_get_float32_logits_for_the_whole_row():
 def test_the_loader_gives_native_rescoring_to_models_whose_layers_are_native(tiny_llama, mode, monkeypatch):
     """A model whose 4-bit layers run the native kernel waited for the library: its output layer
     rescores natively. A bf16 model did not wait: torch's, whether or not the library is loaded."""
-    if mode == "bf16" and not (native_decode.wait_until_built(timeout=600) and native_decode.rescore_top_available()):
+    if mode == "bf16" and not (native_library.wait_until_built(timeout=600) and native_library.rescore_top_available()):
         pytest.skip("tests the gate: that a bf16 model's rescoring is torch's although the native one could run")
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=16)
     layer = llm.engine.core.executor.model.lm_head
     assert isinstance(layer, RescoredOutputLayer)
-    native = mode == "int4" and native_decode.int4_product_available() and native_decode.rescore_top_available()
+    native = mode == "int4" and native_library.int4_product_available() and native_library.rescore_top_available()
     assert layer.native_rescore == native
     out = llm.generate([[5, 9, 2]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
@@ -370,7 +373,7 @@ class WatchedSelector:
 
 
 def test_the_runner_asks_float32_rows_for_bias_penalties_and_logprobs(tiny_llama, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     llm = LLM(str(tiny_llama), quantization="bf16", num_kv_blocks=64)
     layer = llm.engine.core.executor.model.lm_head
     assert isinstance(layer, RescoredOutputLayer)
@@ -482,7 +485,7 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
 
 
 def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_kernel, monkeypatch):
-    """The bound `auto` promises (cpu_linear.AUTO_PERPLEXITY_BOUND of exact mode's) on
+    """The bound `auto` promises (linear_modes.AUTO_PERPLEXITY_BOUND of exact mode's) on
     benchmarks/data/english.txt, each 4-bit kernel scoring whole windows, as one stream's
     decode steps use it (a native kernel whose minimums' term took the plain input sum stood
     at 1.027x)."""
@@ -491,19 +494,18 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     import perplexity
 
-    from workers.cpu_linear import AUTO_PERPLEXITY_BOUND
+    from workers.cpu.linear_modes import AUTO_PERPLEXITY_BOUND
 
-    monkeypatch.setattr(cpu_int4, "MAX_INT4_ROWS", 512)
-    monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 512)
     scores = {}
     for mode in ("none", "auto"):
-        monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+        monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
         model, tokenizer, _ = perplexity.load_text_model(mode)
         if mode == "auto":
             layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
             assert len(layers) == 210 and all(layer.int4.native == int4_kernel for layer in layers)
         ids = tokenizer(perplexity.TEXT.read_text())["input_ids"]
-        scores[mode] = perplexity.perplexity(model, ids, 512)
+        with forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=512, native_int4=512))):
+            scores[mode] = perplexity.perplexity(model, ids, 512)
     assert 20 < scores["none"] < 40
     assert scores["auto"] / scores["none"] <= AUTO_PERPLEXITY_BOUND, scores
 
@@ -519,7 +521,7 @@ def test_the_kernel_benchmark_runs_and_prints_each_kernels_row():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     header, _, *rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
-    kinds = (["native"] if native_decode.int4_product_available() else []) + ["torch", "bf16"]
+    kinds = (["native"] if native_library.int4_product_available() else []) + ["torch", "bf16"]
     assert header.split(" | ")[1:1 + len(kinds)] == kinds
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[1:1 + len(kinds)])
@@ -531,33 +533,33 @@ def test_prompt_tokens_take_the_bfloat16_copy_at_every_row_count_and_generated_o
     torch.manual_seed(3)
     x = torch.randn(1, 3, 128)
     outside = layer(x)
-    with step_rows.prompt_step(0, 3):
-        assert cpu_int4.kernel_rows(3, int4_kernel) == 0 and step_rows.in_prompt_step()
+    with forward_context(rows=StepRows(3, 0)):
+        assert int4.kernel_rows(3, int4_kernel) == 0 and current().rows.computes_prompt
         inside = layer(x)
-        with step_rows.prompt_step(None):
-            assert cpu_int4.kernel_rows(3, int4_kernel) == 3
-        assert step_rows.in_prompt_step()
+        with forward_context(rows=StepRows(3)):
+            assert int4.kernel_rows(3, int4_kernel) == 3
+        assert current().rows.computes_prompt
         # Per thread: another thread's forward is not in this step.
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(step_rows.in_prompt_step()))
+        worker = threading.Thread(target=lambda: seen.append(current().rows.computes_prompt))
         worker.start()
         worker.join()
         assert seen == [False]
-    assert not step_rows.in_prompt_step()
+    assert not current().rows.computes_prompt
     assert torch.equal(inside, layer.batched(x) + linear.bias)
     assert torch.equal(layer(x), outside)
     if int4_kernel:  # 8-bit inputs there, bfloat16 ones in a prompt step
         assert not torch.equal(inside, outside)
     # Two generated tokens' rows, then a prompt token's: each row as in a step of its kind.
-    with step_rows.prompt_step(2, 3):
+    with forward_context(rows=StepRows(3, 2)):
         split = layer(x)
         # A product of other rows than the step's tokens (an output layer's) takes the copy.
         assert torch.equal(layer(x[:, :2]), layer.batched(x[:, :2]) + linear.bias)
     assert torch.equal(split[:, :2], layer(x[:, :2])) and torch.equal(split[:, 2:], inside[:, 2:])
     # More generated rows than the kernel takes: the copy takes them all.
-    limit = cpu_int4.kernel_rows_limit(int4_kernel)
-    with step_rows.prompt_step(limit + 1, limit + 2):
-        assert cpu_int4.kernel_rows(limit + 2, int4_kernel) == 0
+    limit = KERNEL_ROW_LIMITS.of(int4.kind_of(int4_kernel))
+    with forward_context(rows=StepRows(limit + 2, limit + 1)):
+        assert int4.kernel_rows(limit + 2, int4_kernel) == 0
 
 
 def first_token(llm: LLM, prompt: list[int]):
@@ -573,14 +575,14 @@ def first_token(llm: LLM, prompt: list[int]):
 ])
 def test_a_prompts_answer_does_not_depend_on_how_much_of_it_is_cached(tiny_llama, int4_kernel, prompt_length,
                                                                       other_prompt):
-    """The 4-bit mode computes every prompt token from the bfloat16 copy (step_rows.py: the
+    """The 4-bit mode computes every prompt token from the bfloat16 copy (row_layout.py: the
     row count alone would give any of these steps a 4-bit kernel), so a prompt computed whole
     and one whose head came from the prefix cache give the same answer and first
     log-probabilities."""
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Int4Linear)
     # Where the C++ decode stack serves, a prompt's last token alone must not take it (4 bits).
-    if int4_kernel and native_decode.wait_until_built(timeout=600):
+    if int4_kernel and native_library.wait_until_built(timeout=600):
         llm.generate([[5, 9, 2]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         assert llm.engine.core.executor.runner.lean.native is not None
     generator = torch.Generator().manual_seed(11)

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.reference import hf_greedy
-from workers import cpu_int4, cpu_linear, native_decode
-from workers.cpu_float32_linear import Float32Linear
-from workers.cpu_int4 import Int4Linear
-from workers.cpu_linear import PackedLinear, prepare_linear_layers, resolve_quantization
-from workers.cpu_output_layer import RescoredOutputLayer
+from workers.cpu import int4, linear_modes, native_library
+from workers.cpu.float32_linear import Float32Linear
+from workers.cpu.int4 import Int4Linear
+from workers.cpu.linear_modes import PackedLinear, prepare_linear_layers, resolve_quantization
+from workers.cpu.output_layer import RescoredOutputLayer
 
 
 @pytest.mark.parametrize("rows", [1, 7])
@@ -38,9 +38,9 @@ def test_bf16_linear_takes_and_returns_float32_within_bfloat16_rounding():
 
 def test_auto_picks_bf16_only_where_the_cpu_has_native_bfloat16(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     assert resolve_quantization("auto", cpu) == "bf16"
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: False)
     assert resolve_quantization("auto", cpu) == "none"
     assert resolve_quantization("int8", cpu) == "int8"
     # CPU kernels are refused on a GPU rather than silently ignored.
@@ -58,7 +58,7 @@ def test_the_test_suite_runs_in_exact_mode():
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_every_linear_is_converted_and_the_output_matrix_keeps_float32_weights(tiny_llama, mode, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     llm = LLM(str(tiny_llama), quantization=mode, num_kv_blocks=64)
     model = llm.engine.core.executor.model
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
@@ -66,7 +66,7 @@ def test_every_linear_is_converted_and_the_output_matrix_keeps_float32_weights(t
     assert embedding.dtype == torch.float32
     # Exact mode: a float32 output matrix. The others: bfloat16 with each row's top candidates
     # recomputed in float32 from the float weights (the embedding table when tied), never a copy.
-    exact_layer = Float32Linear if native_decode.float32_product_available() else PackedLinear
+    exact_layer = Float32Linear if native_library.float32_product_available() else PackedLinear
     if mode == "none":
         assert isinstance(model.lm_head, exact_layer) and model.lm_head.weight.dtype == torch.float32
     else:
@@ -93,10 +93,10 @@ def test_every_linear_is_converted_and_the_output_matrix_keeps_float32_weights(t
 def test_exact_mode_matches_transformers_on_either_float32_kernel(tiny_llama, kernel):
     """The native float32 product where the CPU runs it, oneDNN's packed one elsewhere (the
     decision forced off here; conftest restores it after the test)."""
-    if kernel == "native" and not native_decode.float32_product_available():
+    if kernel == "native" and not native_library.float32_product_available():
         pytest.skip("the native float32 product needs AVX-512F and the native library")
     if kernel == "onednn":
-        native_decode._state["float32_product"] = False
+        native_library._state["float32_product"] = False
     prompt = [5, 9, 2, 7, 11, 4, 4, 19]
     llm = LLM(str(tiny_llama), quantization="none", num_kv_blocks=64)
     assert isinstance(llm.engine.core.executor.model.lm_head, Float32Linear if kernel == "native" else PackedLinear)
@@ -111,7 +111,7 @@ def test_prepare_refuses_an_unknown_mode():
 
 def test_auto_serves_a_non_float32_model_as_loaded_and_explicit_modes_refuse_it(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     assert resolve_quantization("auto", cpu, torch.bfloat16) == "none"
     with pytest.raises(ValueError, match="float32"):
         resolve_quantization("int8", cpu, torch.bfloat16)
@@ -134,13 +134,13 @@ def test_bf16_keeps_the_bias_in_float32():
 
 
 def test_modes_that_compute_in_bfloat16_are_refused_at_start_where_onednn_cannot(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "can_pack_bf16", lambda: False)
+    monkeypatch.setattr(linear_modes, "can_pack_bf16", lambda: False)
     for mode in ("bf16", "int8"):
         with pytest.raises(ValueError, match="use quantization none"):
-            cpu_linear.resolve_quantization(mode, torch.device("cpu"))
+            linear_modes.resolve_quantization(mode, torch.device("cpu"))
     # 4-bit layers keep a float32 copy there, where the native 4-bit kernel runs
     # (tests/test_cpu_avx2_path.py); without it they are refused too.
-    monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
+    monkeypatch.setattr(int4, "native_kernel_available", lambda wait=True: False)
     with pytest.raises(ValueError, match="native 4-bit kernel .*use quantization none"):
-        cpu_linear.resolve_quantization("int4", torch.device("cpu"))
-    assert cpu_linear.resolve_quantization("auto", torch.device("cpu")) in ("none", "bf16")
+        linear_modes.resolve_quantization("int4", torch.device("cpu"))
+    assert linear_modes.resolve_quantization("auto", torch.device("cpu")) in ("none", "bf16")

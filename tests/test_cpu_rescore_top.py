@@ -1,15 +1,15 @@
-"""The output layer's native rescoring (workers/native/rescore_top.cpp): each row's highest
+"""The output layer's native rescoring (workers/cpu/csrc/rescore_top.cpp): each row's highest
 approximate logits, in ascending index order, with float32 logits recomputed from the weights."""
 
 import pytest
 import torch
 
-from workers import native_decode
+from workers.cpu import native_library
 
 
 @pytest.fixture(scope="module")
 def rescore_top():
-    if not native_decode.wait_until_built(timeout=600) or not native_decode.rescore_top_available():
+    if not native_library.wait_until_built(timeout=600) or not native_library.rescore_top_available():
         pytest.skip("the native rescoring needs the native library and AVX-512F")
     return torch.ops.antiphon_cpu.rescore_top
 

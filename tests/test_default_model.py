@@ -45,7 +45,7 @@ def test_the_readme_question_gets_paris_whatever_part_of_it_is_cached(mode):
     block cached): what users asking it see. The default model is close to answering in French
     here (exact mode prefers Paris by 0.08 nats). A prompt's tail after a prefix hit once took the
     native kernel's 8-bit inputs, and the third ask answered "L'Étoile, la Marsebeau, ..." (now
-    prompt tokens take the bfloat16 copy: workers/step_rows.py); a one-pass RMSNorm tried
+    prompt tokens take the bfloat16 copy: workers/cpu/row_layout.py); a one-pass RMSNorm tried
     for speed, and a bfloat16 KV cache (--kv-cache-dtype bfloat16 keeps it), turned the second.
     Approximations in the default configuration are held to this (and to the quiz below, which
     no single near tie decides)."""

@@ -1,5 +1,5 @@
 """RMSNorm layers of float32 CPU models run as one call: F.rms_norm (bitwise the original), or
-the native one-pass norm (workers/native/rms_norm.cpp) where the native library is loaded:
+the native one-pass norm (workers/cpu/csrc/rms_norm.cpp) where the native library is loaded:
 float32-accurate, a row's result independent of its batch and the threads."""
 
 import pytest
@@ -9,13 +9,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from engine import LLM, SamplingParams
-from workers import native_decode
-from workers.fused_rms_norm import FusedRMSNorm, fuse_rms_norms
+from workers.cpu import native_library
+from workers.cpu.rms_norm import FusedRMSNorm, fuse_rms_norms
 
 
 @pytest.fixture(scope="module")
 def native_norm():
-    if not native_decode.wait_until_built(timeout=600) or not native_decode.rms_norm_available():
+    if not native_library.wait_until_built(timeout=600) or not native_library.rms_norm_available():
         pytest.skip("the native RMSNorm needs the native library and AVX-512F")
     return torch.ops.antiphon_cpu.rms_norm
 
@@ -64,12 +64,12 @@ def test_the_engine_serves_float32_cpu_models_with_fused_norms(tiny_llama, mode,
     """Native where the layers run native products (exact mode here) and the kernel runs;
     F.rms_norm for a CPU without it and in modes whose layers are torch's (bf16), even with
     the library loaded: their numbers must not depend on whether it was built in time."""
-    available = native_decode.wait_until_built(timeout=600) and native_decode.rms_norm_available()
+    available = native_library.wait_until_built(timeout=600) and native_library.rms_norm_available()
     if (native or mode == "bf16") and not available:
         # (bf16 tests the gate: that the norm is not native although it could be.)
         pytest.skip("the native RMSNorm needs the native library and AVX-512F")
     if mode == "none" and not native:
-        monkeypatch.setattr(native_decode, "rms_norm_available", lambda: False)
+        monkeypatch.setattr(native_library, "rms_norm_available", lambda: False)
     llm = LLM(str(tiny_llama), num_kv_blocks=16, quantization=mode)
     model = llm.engine.core.executor.model
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]

@@ -1,7 +1,7 @@
 """A greedy answer does not depend on what else the server runs: a stream's tokens and
 log-probabilities are bitwise those it gets alone when other requests' prompts share its steps
 (the runner puts a step's generated tokens first; 4-bit and float32 products compute them as in
-a step of their own: workers/step_rows.py). benchmarks/greedy_under_load.py checks the same on
+a step of their own: workers/cpu/row_layout.py). benchmarks/greedy_under_load.py checks the same on
 the default model through the server."""
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.request import Request
-from workers import native_decode, step_rows
-from workers.cpu_float32_linear import Float32Linear, rows_for_onednn
-from workers.cpu_int4 import Int4Linear
+from workers import model_runner
+from workers.cpu import native_library
+from workers.cpu.row_layout import StepRows
+from workers.forward_context import current, forward_context
+from workers.cpu.float32_linear import Float32Linear, rows_for_onednn
+from workers.cpu.int4 import Int4Linear
 from workers.model_runner import RunnerRequest, _leading_generated_rows
 
 
@@ -59,7 +62,7 @@ def test_a_4bit_greedy_answer_does_not_depend_on_other_requests_prompts_sharing_
 def test_an_exact_mode_greedy_answer_does_not_depend_on_a_long_prompt_sharing_its_steps(tiny_llama):
     """A step of oneDNN's number of rows (a long prompt chunk beside a decoding stream) computes
     the stream's row in a native product call of its own, not in oneDNN's."""
-    if not native_decode.float32_product_available():
+    if not native_library.float32_product_available():
         pytest.skip("exact mode's layers are oneDNN's without the native float32 product (AVX-512F)")
     llm = LLM(str(tiny_llama), quantization="none", num_kv_blocks=128, block_size=16)
     assert isinstance(llm.engine.core.executor.model.model.layers[0].mlp.down_proj, Float32Linear)
@@ -74,12 +77,12 @@ def test_the_runner_marks_where_a_steps_prompt_tokens_begin(tiny_llama, monkeypa
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     core = llm.engine.core
     marks = []
-    step = step_rows.prompt_step
+    step = model_runner.forward_context
 
-    def recording(generated, tokens=0):
-        marks.append((generated, tokens))
-        return step(generated, tokens)
-    monkeypatch.setattr(step_rows, "prompt_step", recording)
+    def recording(attention, rows):
+        marks.append((rows.generated, rows.tokens))
+        return step(attention, rows)
+    monkeypatch.setattr(model_runner, "forward_context", recording)
     schedule = core.scheduler.schedule
 
     def reversed_schedule():
@@ -118,15 +121,15 @@ def test_only_leading_rows_of_one_generated_token_count_as_generated():
 
 
 def test_the_float32_product_computes_a_long_steps_generated_rows_in_a_call_of_their_own():
-    if not native_decode.float32_product_available():
+    if not native_library.float32_product_available():
         pytest.skip("the native float32 product needs AVX-512F and the native library")
     linear = torch.nn.Linear(64, 48)
     layer = Float32Linear(linear)
     rows = rows_for_onednn() + 4
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
     whole = layer(x)  # one call: oneDNN's
-    with step_rows.prompt_step(2, rows):
+    with forward_context(rows=StepRows(rows, 2)):
         split = layer(x)
-        assert step_rows.generated_rows(rows - 1) == 0  # not the step's rows: all the prompt's way
+        assert current().rows.generated_rows(rows - 1) == 0  # not the step's rows: all the prompt's way
     assert torch.equal(split[:2], layer(x[:2])) and torch.equal(split[2:], whole[2:])
     assert not torch.equal(split[:2], whole[:2])  # the two kernels round apart, so the test can tell

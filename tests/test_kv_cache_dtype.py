@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from tests.test_greedy_parity import MAX_TOKENS, make_prompts
 from tests.test_lean_decoder import attends_natively
-from workers import native_decode
+from workers.cpu import native_library
 from workers.kv_cache_dtype import resolve_kv_cache_dtype
 from workers.paged_attention import PagedAttentionMetadata, PrefillSpan, attend, prefill_attention
 
@@ -125,7 +125,7 @@ def test_a_first_chunk_attends_to_its_keys_as_the_cache_holds_them():
 
 @pytest.fixture(scope="module")
 def write_kv_rows():
-    if not native_decode.wait_until_built(600):
+    if not native_library.wait_until_built(600):
         pytest.skip("the native library did not build")
     return torch.ops.antiphon_cpu.write_kv_rows
 

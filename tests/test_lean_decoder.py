@@ -1,5 +1,5 @@
-"""The lean CPU forward (workers/lean_decoder.py) and its C++ decode stack
-(workers/native_decode.py) give bitwise the logits of the model's own forward, in every CPU
+"""The lean CPU forward (workers/cpu/lean_forward.py) and its C++ decode stack
+(workers/cpu/native_library.py) give bitwise the logits of the model's own forward, in every CPU
 mode, on every kind of step the engine schedules."""
 
 import os
@@ -9,8 +9,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.tiny_models import save_tiny_checkpoint
-from workers import cpu_int4, cpu_linear, native_decode
-from workers.lean_decoder import LeanDecoder, lean_decoder_for
+from workers.cpu import decode_stack, int4, linear_modes, native_library, row_layout
+from workers.cpu.product_kinds import ProductKind
+from workers.cpu.row_layout import KERNEL_ROW_LIMITS, KernelRowLimits, StepRows
+from workers.cpu.lean_forward import LeanDecoder, lean_decoder_for
 from workers.model_runner import ModelRunner
 from workers.paged_attention import decode_attention
 
@@ -18,9 +20,9 @@ from workers.paged_attention import decode_attention
 @pytest.fixture(scope="module")
 def native_stack():
     """The C++ stack, built (or loaded from $ANTIPHON_CACHE) before the tests that use it."""
-    if not native_decode.enabled():
+    if not native_library.enabled():
         pytest.skip("ANTIPHON_NATIVE_DECODE=0 turns the C++ decode stack off")
-    assert native_decode.wait_until_built(timeout=600), native_decode._state
+    assert native_library.wait_until_built(timeout=600), native_library._state
 
 
 class CountingStack:
@@ -30,15 +32,20 @@ class CountingStack:
         self.stack, self.steps, self.in_place, self.native_attention, self.split = stack, 0, 0, 0, 0
 
     def forward(self, *args):
-        *_, context_start, _, context_lens, _ = args  # ..., block_tables, context_lens, block_size
+        *_, context_start, _, context_lens, _, _ = args  # ..., block_tables, context_lens, block_size, kernel_rows
         self.steps += 1
         self.in_place += context_start >= 0  # a lone row's context read in place
-        self.native_attention += context_lens is not None  # cpu_decode_attention.py
+        self.native_attention += context_lens is not None  # decode_attention.py
         # Run as one part of its rows per thread (decode_stack.cpp, forward_split).
         split_before = self.stack.split_steps()
         out = self.stack.forward(*args)
         self.split += self.stack.split_steps() - split_before
         return out
+
+
+def row_parts(stack, lengths: torch.Tensor) -> list[int]:
+    """The stack's parts for a decode step of these context lengths, every row a generated token."""
+    return stack.row_parts(lengths, StepRows(len(lengths)).kernel_rows_by_kind())
 
 
 @pytest.fixture
@@ -64,7 +71,7 @@ def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple
     runner = llm.engine.core.executor.runner
     assert isinstance(runner.lean, LeanDecoder)
     if native:
-        stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+        stack = decode_stack.decode_stack(runner.lean.layers, runner.kv_caches)
         assert stack is not None
         runner.lean.native = CountingStack(stack)
     runner.lean._kv_caches = None  # no background swap during the test
@@ -89,7 +96,7 @@ def run_both_forwards(monkeypatch, llm: LLM, native: bool = False) -> list[tuple
 def generate_every_kind_of_step(llm: LLM) -> None:
     shared = list(range(3, 40))
     prompts = [shared + [i, i + 1] for i in range(11)] + [[7, 8, 9]]
-    # 12 streams: decode steps above MAX_INT4_ROWS (the batched copy), and fewer as they end.
+    # 12 streams: decode steps above the kernels' row limits (the batched copy), and fewer as they end.
     params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(12)]
     llm.generate(prompts, params)
     # Again: the shared prefix now comes from the prefix cache.
@@ -104,28 +111,28 @@ def quantization(mode: str, monkeypatch) -> str:
     steps take the batched copy and 9-10-row steps tell the two kernels' limits apart;
     "int4-torch" on torch's kernel (up to 8)."""
     if mode == "int4":
-        monkeypatch.setattr(cpu_int4, "MAX_NATIVE_INT4_ROWS", 10)
+        monkeypatch.setattr(row_layout, "KERNEL_ROW_LIMITS", KernelRowLimits(native_int4=10))
     if mode == "int4-torch":
-        monkeypatch.setattr(cpu_int4, "native_kernel_available", lambda wait=True: False)
+        monkeypatch.setattr(int4, "native_kernel_available", lambda wait=True: False)
         return "int4"
     return mode
 
 
 def attends_natively(mode: str) -> bool:
     """Whether a mode's decode rows take the native decode attention: where its layers run a
-    native product and the CPU has AVX-512F (cpu_decode_attention.serves)."""
-    return ((mode == "int4" and native_decode.int4_product_available()
-             and native_decode.has_any(native_decode.FLOAT32_CPU_FLAGS))
-            or (mode == "none" and native_decode.float32_product_available()))
+    native product and the CPU has AVX-512F (decode_attention.serves)."""
+    return ((mode == "int4" and native_library.int4_product_available()
+             and native_library.has_any(native_library.FLOAT32_CPU_FLAGS))
+            or (mode == "none" and native_library.float32_product_available()))
 
 
 def assert_float32_kernel(runner, mode: str) -> None:
     """Exact mode's products run the native float32 product wherever this CPU has it, else oneDNN's."""
     if mode != "none":
         return
-    native = native_decode.float32_product_available()
+    native = native_library.float32_product_available()
     kinds = {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts}
-    assert kinds == {native_decode.NATIVE_FLOAT32_PRODUCT if native else native_decode.FLOAT32_PRODUCT}
+    assert kinds == {ProductKind.NATIVE_FLOAT32 if native else ProductKind.PACKED_FLOAT32}
 
 
 def assert_int4_kernel(runner, mode: str) -> None:
@@ -133,16 +140,16 @@ def assert_int4_kernel(runner, mode: str) -> None:
     CPU has it, torch's for "int4-torch"."""
     if not mode.startswith("int4"):
         return
-    native = mode == "int4" and native_decode.int4_product_available()
+    native = mode == "int4" and native_library.int4_product_available()
     kinds = {part[0] for layer in runner.lean.layers for group in layer.groups for part in group.native_parts
-             if part[0] in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT)}
-    assert kinds == {native_decode.NATIVE_INT4_PRODUCT if native else native_decode.INT4_PRODUCT}
+             if part[0] in (ProductKind.TORCH_INT4, ProductKind.NATIVE_INT4)}
+    assert kinds == {ProductKind.NATIVE_INT4 if native else ProductKind.TORCH_INT4}
 
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int4", "int4-torch", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mode, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     # Chunks of at most 24 tokens: prefill chunks resume over cached keys.
     llm = LLM(str(tiny_checkpoints[arch]), quantization=quantization(mode, monkeypatch), num_kv_blocks=256,
               max_num_batched_tokens=24)
@@ -161,34 +168,34 @@ def test_lean_forward_gives_the_models_logits_bitwise(tiny_checkpoints, arch, mo
 def test_exact_mode_mixes_native_and_onednn_products_bitwise(tmp_path, native_stack, two_threads, monkeypatch):
     """An intermediate size of 200 (inputs not in whole chunks of 16): down_proj stays oneDNN's
     while gate/up take the native float32 product; both forwards and the C++ stack agree bitwise."""
-    if not native_decode.float32_product_available():
+    if not native_library.float32_product_available():
         pytest.skip("the native float32 product needs AVX-512F and the native library")
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", intermediate_size=200)
     llm = LLM(str(checkpoint), quantization="none", num_kv_blocks=256, max_num_batched_tokens=24)
     runner = llm.engine.core.executor.runner
     kinds = [[part[0] for part in group.native_parts] for group in runner.lean.layers[0].groups]
-    assert kinds[2] == [native_decode.NATIVE_FLOAT32_PRODUCT] * 2 and kinds[3] == [native_decode.FLOAT32_PRODUCT]
+    assert kinds[2] == [ProductKind.NATIVE_FLOAT32] * 2 and kinds[3] == [ProductKind.PACKED_FLOAT32]
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
     assert runner.lean.native.steps > 20
     # oneDNN's product may compute a row differently in another batch: such a stack never
     # splits a step by rows.
-    assert runner.lean.native.stack.row_parts(torch.full((16,), 10)) == [0, 16]
+    assert row_parts(runner.lean.native.stack, torch.full((16,), 10)) == [0, 16]
 
 
 def small_stack(tmp_path, quantization: str, intermediate_size: int = 256):
     """(LLM, its C++ stack) for a small Llama in a mode whose layers run native products: 4-bit
     ("int4", AVX-512 VNNI) or exact ("none", AVX-512F); skips where this CPU lacks them."""
-    if quantization == "int4" and not native_decode.int4_product_available():
+    if quantization == "int4" and not native_library.int4_product_available():
         pytest.skip("the native 4-bit product needs AVX-512 VNNI or AVX2")
-    if quantization == "none" and not native_decode.float32_product_available():
+    if quantization == "none" and not native_library.float32_product_available():
         pytest.skip("the native float32 product needs AVX-512F")
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=intermediate_size)
     llm = LLM(str(checkpoint), quantization=quantization, num_kv_blocks=64)
     runner = llm.engine.core.executor.runner
-    stack = native_decode.decode_stack(runner.lean.layers, runner.kv_caches)
+    stack = decode_stack.decode_stack(runner.lean.layers, runner.kv_caches)
     assert stack is not None
     return llm, stack
 
@@ -200,13 +207,13 @@ def test_a_decode_step_splits_by_rows_into_parts_of_about_equal_work(tmp_path, n
     _, stack = small_stack(tmp_path, "int4")
 
     def parts(lengths: list[int]) -> list[int]:
-        return stack.row_parts(torch.tensor(lengths, dtype=torch.int64))
+        return row_parts(stack, torch.tensor(lengths, dtype=torch.int64))
     assert parts([10] * 16) == [0, 8, 16]
     assert parts([10] * 8) == [0, 4, 8]
     # Fewer rows: each call split between the threads instead.
     assert parts([10] * 7) == [0, 7]
     # Past the 4-bit kernel's rows (512) the products take oneDNN (the bfloat16 copy).
-    limit = cpu_int4.MAX_NATIVE_INT4_ROWS
+    limit = KERNEL_ROW_LIMITS.native_int4
     assert parts([10] * limit) == [0, limit // 2, limit] and parts([10] * (limit + 1)) == [0, limit + 1]
     # Four rows of 2000 positions outweigh twelve of 10: the balanced bound (13) would leave
     # the second part three rows; it keeps the four it must have.
@@ -253,7 +260,7 @@ def test_steps_split_by_rows_only_where_silus_vector_blocks_fall_alike(tmp_path,
     makes one serial call. With an MLP of 4896: 8 rows (39168 elements, chunks of 19584) and 10
     (24480) are whole blocks either way; 9 rows' chunks (22032) end mid-block: not split."""
     llm, stack = small_stack(tmp_path, "int4", intermediate_size=4896)
-    assert [len(stack.row_parts(torch.full((rows,), 10))) - 1 for rows in (8, 9, 10)] == [2, 1, 2]
+    assert [len(row_parts(stack, torch.full((rows,), 10))) - 1 for rows in (8, 9, 10)] == [2, 1, 2]
     # Nine streams: their 9-row steps stay whole and give the model's own logits. (Split, 32 of
     # silu's elements a layer would take the other exp, which rounds apart now and then, as it
     # did over 16 x 4864 on three threads; here, on so few, it happens not to.)
@@ -270,14 +277,14 @@ def test_a_bad_context_length_fails_a_split_step_before_any_cache_write(tmp_path
     llm, stack = small_stack(tmp_path, "int4")
     runner = llm.engine.core.executor.runner
     lengths = torch.full((16,), 10)
-    assert len(stack.row_parts(lengths)) == 3
+    assert len(row_parts(stack, lengths)) == 3
     lengths[12] = 0
     caches = [cache for pair in runner.kv_caches for cache in pair]
     before = [cache.clone() for cache in caches]
     with torch.inference_mode(), pytest.raises(RuntimeError, match="context length 0"):
         stack.forward(torch.randn(16, 128), torch.ones(1, 1, 16, 64), torch.zeros(1, 1, 16, 64),
                       torch.arange(16), None, None, -1, torch.zeros(16, 1, dtype=torch.int64), lengths,
-                      runner.block_size)
+                      runner.block_size, StepRows(16).kernel_rows_by_kind())
     assert all(torch.equal(cache, saved) for cache, saved in zip(caches, before))
 
 
@@ -286,10 +293,10 @@ def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, tw
     them pays from 8 rows a part. Its split steps give the model's own logits."""
     llm, stack = small_stack(tmp_path, "none")
     runner = llm.engine.core.executor.runner
-    assert stack.row_parts(torch.full((15,), 10)) == [0, 15]
-    assert stack.row_parts(torch.full((16,), 10)) == [0, 8, 16]
+    assert row_parts(stack, torch.full((15,), 10)) == [0, 15]
+    assert row_parts(stack, torch.full((16,), 10)) == [0, 8, 16]
     # Up to the float32 product's own limit: it computes a row alike up to 255 rows.
-    assert stack.row_parts(torch.full((64,), 10)) == [0, 32, 64]
+    assert row_parts(stack, torch.full((64,), 10)) == [0, 32, 64]
     steps = run_both_forwards(monkeypatch, llm, native=True)
     llm.generate([[5 + i, 6, 7] for i in range(20)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [rows for rows, equal in steps if not equal] == []
@@ -303,7 +310,7 @@ def test_exact_mode_splits_steps_by_rows_from_16_rows(tmp_path, native_stack, tw
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-biased"])
 def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode, native_stack, two_threads,
                                                             monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     biases = dict(attention_bias=True, mlp_bias=True, random_biases=True) if arch == "llama-biased" else {}
     checkpoint = save_tiny_checkpoint(arch.split("-")[0], tmp_path / arch, hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256, **biases)
@@ -316,11 +323,11 @@ def test_native_decode_steps_give_the_models_logits_bitwise(tmp_path, arch, mode
     assert_float32_kernel(runner, mode)
     # The library was loaded before the model: its norms are native where its layers are native
     # and the CPU has AVX-512F.
-    native_layers = native_decode.takes_native_kernels(llm.engine.core.executor.model)
-    assert native_layers == (mode == "int4" and native_decode.int4_product_available()
-                             or mode == "none" and native_decode.float32_product_available())
+    native_layers = native_library.takes_native_kernels(llm.engine.core.executor.model)
+    assert native_layers == (mode == "int4" and native_library.int4_product_available()
+                             or mode == "none" and native_library.float32_product_available())
     assert {layer.native_norms[2] for layer in runner.lean.layers} == {native_layers and
-                                                                       native_decode.rms_norm_available()}
+                                                                       native_library.rms_norm_available()}
     steps = run_both_forwards(monkeypatch, llm, native=True)
     generate_every_kind_of_step(llm)
     assert [rows for rows, equal in steps if not equal] == []
@@ -346,7 +353,7 @@ def test_native_decode_steps_over_a_bfloat16_cache_give_the_models_logits_bitwis
     """--kv-cache-dtype bfloat16: the C++ stack rounds its cache writes as the Python forwards'
     .to() does, and both read the cache alike, through the native decode attention (native
     layers) or SDPA over widened contexts (the others)."""
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "llama", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=256)
     llm = LLM(str(checkpoint), quantization=quantization(mode, monkeypatch), kv_cache_dtype="bfloat16",
@@ -375,10 +382,10 @@ def test_native_steps_stay_bitwise_on_one_to_four_threads_and_a_wide_mlp(tmp_pat
     threads: its exp rounds block tails apart). On two threads the 17-row steps run split by
     rows (forward_split), ATen's norm included, and silu's one call over them would run in two
     chunks that meet mid-row (on a block boundary: 4864 is a multiple of 64)."""
-    if native_norm and not (native_decode.rms_norm_available() and native_decode.float32_product_available()):
+    if native_norm and not (native_library.rms_norm_available() and native_library.float32_product_available()):
         pytest.skip("the native RMSNorm needs AVX-512F")
     if not native_norm:
-        monkeypatch.setattr(native_decode, "rms_norm_available", lambda: False)
+        monkeypatch.setattr(native_library, "rms_norm_available", lambda: False)
     checkpoint = save_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=128, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=4864)
     saved = torch.get_num_threads()
@@ -396,7 +403,7 @@ def test_native_steps_stay_bitwise_on_one_to_four_threads_and_a_wide_mlp(tmp_pat
     assert runner.lean.native.steps >= 5 and 17 in {rows for rows, _ in steps}
     # (Exact mode's products are native where the CPU has AVX-512F; else oneDNN's, never split.
     # 17 rows give two threads parts of 8 or more; three or four threads would need 24 or 32.)
-    assert (runner.lean.native.split > 0) == (threads == 2 and native_decode.float32_product_available())
+    assert (runner.lean.native.split > 0) == (threads == 2 and native_library.float32_product_available())
 
 
 def test_the_engine_takes_the_native_stack_once_it_is_built(tmp_path, native_stack):
@@ -422,7 +429,7 @@ def test_a_stack_that_fails_to_assemble_leaves_the_python_forward(tiny_llama, na
     def broken(*args):
         attempts.append(args)
         raise RuntimeError("simulated")
-    monkeypatch.setattr(native_decode, "decode_stack", broken)
+    monkeypatch.setattr(decode_stack, "decode_stack", broken)
     [output] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(output.token_ids) == 6 and runner.lean.native is None and runner.lean._kv_caches is None
     assert len(attempts) == 1  # tried once, not at every step
@@ -432,7 +439,7 @@ def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_pa
     library = tmp_path / "native" / "antiphon_cpu-test.so"
     leftover = tmp_path / "native" / "build-antiphon_cpu-test-1"  # from a killed build
     leftover.mkdir(parents=True)
-    old_libraries = [tmp_path / "native" / f"antiphon_cpu-old{i}.so" for i in range(native_decode.KEPT_LIBRARIES)]
+    old_libraries = [tmp_path / "native" / f"antiphon_cpu-old{i}.so" for i in range(native_library.KEPT_LIBRARIES)]
     for age, old in enumerate(old_libraries, start=1):
         old.write_bytes(b"old")
         os.utime(old, (1e9 - age, 1e9 - age))  # old0 is the newest of them
@@ -442,26 +449,26 @@ def test_the_library_is_built_in_a_folder_of_its_own_and_moved_into_place(tmp_pa
         folders.append(folder)
         (folder / "antiphon_cpu.so").write_bytes(b"built")
         return folder / "antiphon_cpu.so"
-    native_decode.build_library(library, fake_compile)
+    native_library.build_library(library, fake_compile)
     assert library.read_bytes() == b"built" and not leftover.exists() and not folders[0].exists()
     # The new library and the newest older ones stay; the oldest goes.
-    assert [old.exists() for old in old_libraries] == [True] * (native_decode.KEPT_LIBRARIES - 1) + [False]
-    native_decode.build_library(library, lambda folder: pytest.fail("built twice"))
+    assert [old.exists() for old in old_libraries] == [True] * (native_library.KEPT_LIBRARIES - 1) + [False]
+    native_library.build_library(library, lambda folder: pytest.fail("built twice"))
 
     def failing_compile(folder):
         raise RuntimeError("no compiler")
     other = tmp_path / "native" / "antiphon_cpu-other.so"
     with pytest.raises(RuntimeError, match="no compiler"):
-        native_decode.build_library(other, failing_compile)
+        native_library.build_library(other, failing_compile)
     assert not other.exists() and not list(other.parent.glob("build-*"))
 
 
 def test_int8_layers_never_ask_for_the_stack(tiny_llama, monkeypatch):
     """Nor does their output matrix's 4-bit candidate copy wait for it (it takes torch's
     kernel unless the library is loaded already)."""
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.delitem(native_decode._state, "int4_product", raising=False)
-    monkeypatch.setattr(native_decode, "start_build", lambda: pytest.fail("int8 started a build"))
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.delitem(native_library._state, "int4_product", raising=False)
+    monkeypatch.setattr(native_library, "start_build", lambda: pytest.fail("int8 started a build"))
     llm = LLM(str(tiny_llama), quantization="int8", num_kv_blocks=64)
     assert llm.engine.core.executor.runner.lean._kv_caches is None
 

@@ -227,11 +227,11 @@ def test_greedy_parity_with_images_through_the_triton_kernels(tiny_vlms, referen
 def test_the_fast_cpu_modes_serve_images_with_their_output_layer(tiny_vlms, family, mode, monkeypatch):
     """The language model an adapter loads goes through the same CPU conversion: its output
     matrix becomes the bfloat16 one with float32 candidates, and a bias row still wins."""
-    from workers import cpu_linear
-    from workers.cpu_int4 import Int4Linear
-    from workers.cpu_output_layer import RescoredOutputLayer
+    from workers.cpu import linear_modes
+    from workers.cpu.int4 import Int4Linear
+    from workers.cpu.output_layer import RescoredOutputLayer
 
-    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: True)
     llm = LLM(str(tiny_vlms[family]), quantization=mode)
     model = llm.engine.core.executor.model
     assert isinstance(model.get_output_embeddings(), RescoredOutputLayer)

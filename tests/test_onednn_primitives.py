@@ -1,6 +1,6 @@
 """A CPU engine's memory stays bounded whatever row counts its steps take (issue 29: the soak's
 decoder grew 154 MiB in 3 minutes, oneDNN keeping a primitive for every product shape and
-row count it had seen; workers/onednn_primitives.py)."""
+row count it had seen; workers/cpu/onednn_primitives.py)."""
 
 from __future__ import annotations
 

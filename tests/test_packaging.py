@@ -1,5 +1,5 @@
 """`pip install .` (not editable) gives a server that finds everything it serves or builds: the
-chat page (frontend/web/) and the native kernels' sources (workers/native/)."""
+chat page (frontend/web/) and the native kernels' sources (workers/cpu/csrc/)."""
 
 import shutil
 import subprocess
@@ -22,8 +22,8 @@ def test_the_wheel_carries_the_page_and_the_kernel_sources_and_an_install_serves
     (wheel,) = wheels.glob("antiphon-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     page = {path.relative_to(ROOT).as_posix() for path in (ROOT / "frontend" / "web").iterdir()}
-    kernels = {path.relative_to(ROOT).as_posix() for path in (ROOT / "workers" / "native").iterdir()
-               if path.suffix in (".cpp", ".h")}
+    kernels = {path.relative_to(ROOT).as_posix() for path in (ROOT / "workers" / "cpu" / "csrc").iterdir()
+               if path.suffix in (".cpp", ".h", ".def")}
     assert page and page <= names, page - names
     assert kernels and kernels <= names, kernels - names
 

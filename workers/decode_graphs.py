@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from workers.host_staging import HostToDevice
-from workers.paged_attention import BlockTableMetadata, step_metadata
+from workers.forward_context import forward_context
+from workers.paged_attention import BlockTableMetadata
 
 logger = logging.getLogger("antiphon")
 
-# (input_ids [1, B], positions [1, B]) -> logits [B, vocab], under step_metadata.
+# (input_ids [1, B], positions [1, B]) -> logits [B, vocab], under forward_context.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -136,5 +137,5 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size], block_size=self.block_size, num_decodes=size,
             prefill_query_start_loc=None, max_prefill_query_len=0,
             max_context_len=self.max_model_len)
-        with step_metadata(meta):
+        with forward_context(meta):
             return self.forward(self.input_ids[:size].unsqueeze(0), self.positions[:size].unsqueeze(0))

@@ -17,7 +17,8 @@ from engine.config import EngineConfig, global_encoder_cache_size
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
-from workers import kv_cache_dtype, onednn_primitives
+from workers import kv_cache_dtype
+from workers.cpu import onednn_primitives
 from workers.model_loader import load_model, resolve_device, resolve_dtype
 from workers.gpu_memory import profile_kv_cache_bytes
 from workers.model_runner import KVCacheShape, ModelRunner

@@ -12,10 +12,10 @@ import logging
 
 import torch
 
-from workers import native_decode
-from workers.cpu_linear import can_pack_bf16, cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
-from workers.cpu_output_layer import RescoredOutputLayer
-from workers.fused_rms_norm import fuse_rms_norms
+from workers.cpu import native_library
+from workers.cpu.linear_modes import can_pack_bf16, cpu_has_native_bf16, prepare_linear_layers, resolve_quantization
+from workers.cpu.output_layer import RescoredOutputLayer
+from workers.cpu.rms_norm import fuse_rms_norms
 from workers.model_support import check_config_supported, check_model_supported
 from workers.paged_attention import ATTENTION_NAME
 
@@ -39,19 +39,19 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
 
 def choose_native_parts(model: torch.nn.Module) -> None:
     """The norms and the output layer's rescoring of a float32 CPU model: native where its
-    layers are (native_decode.takes_native_kernels), else torch's; once, for its lifetime."""
-    native = native_decode.takes_native_kernels(model)
-    fuse_rms_norms(model, native=native and native_decode.rms_norm_available())
+    layers are (native_library.takes_native_kernels), else torch's; once, for its lifetime."""
+    native = native_library.takes_native_kernels(model)
+    fuse_rms_norms(model, native=native and native_library.rms_norm_available())
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(output, RescoredOutputLayer):
-        output.native_rescore = native and native_decode.rescore_top_available()
+        output.native_rescore = native and native_library.rescore_top_available()
 
 
 def load_model(path: Path, model_config, dtype: torch.dtype, device: torch.device,
                max_model_len: int, adapter=None, quantization: str = "none") -> torch.nn.Module:
     """Refuses models needing features the engine lacks (before reading weights), then loads.
     A multimodal family loads through its adapter: the language model without the tower.
-    On CPU the linear layers are then made fast in the `quantization` mode (cpu_linear.py)."""
+    On CPU the linear layers are then made fast in the `quantization` mode (linear_modes.py)."""
     from transformers import AutoModelForCausalLM
 
     check_config_supported(model_config, max_model_len)

@@ -28,13 +28,14 @@ from engine.grammars import GrammarCompiler
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers import cpu_decode_attention, step_rows
-from workers.cpu_output_layer import RescoredOutputLayer, full_precision_logits
+from workers.cpu import native_attention, row_layout
+from workers.cpu.output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
-from workers.lean_decoder import lean_decoder_for
-from workers.paged_attention import (BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan,
-                                     step_metadata)
+from workers.cpu.lean_forward import lean_decoder_for
+from workers.cpu.row_layout import StepRows
+from workers.forward_context import forward_context
+from workers.paged_attention import BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan
 from workers.sampler import SamplingRow, sample
 from workers.structured_decoding import StructuredDecoding
 
@@ -92,8 +93,10 @@ class ModelRunner:
         # The family's adapter for a multimodal model (engine/adapters/), else None.
         self.adapter = adapter
         # A Llama-like text model on CPU runs its forward as plain torch calls (bitwise the
-        # same logits, far fewer calls: workers/lean_decoder.py).
+        # same logits, far fewer calls: workers/cpu/lean_forward.py).
         self.lean = lean_decoder_for(model) if adapter is None and not self.use_kernels else None
+        # The 4-bit kernels' row limits its steps' layouts carry (workers/cpu/row_layout.py).
+        self.row_limits = row_layout.KERNEL_ROW_LIMITS
         self.uses_mrope = adapter is not None and adapter.uses_mrope
         self.embed_tokens = model.get_input_embeddings() if adapter is not None else None
         # mm_hash -> [n, hidden] embeddings on the device, as long as the scheduler says.
@@ -113,9 +116,9 @@ class ModelRunner:
         if self.lean is not None:
             self.lean.attach_native(self.kv_caches)
         # Decode rows attend with the native kernel (read in place, any lengths in one group)
-        # where the model's layers run a native product: workers/cpu_decode_attention.py.
+        # where the model's layers run a native product: workers/cpu/native_attention.py.
         self.native_attention = (not self.use_kernels and self.device.type == "cpu"
-                                 and cpu_decode_attention.serves(model, cache_shape.head_dim))
+                                 and native_attention.serves(model, cache_shape.head_dim))
         self.requests: dict[str, RunnerRequest] = {}
         self.to_device = HostToDevice(self.device)
         self.graphs: DecodeGraphs | None = None
@@ -200,7 +203,7 @@ class ModelRunner:
         request_ids = list(sched.num_scheduled_tokens)
         # Single-token rows first (the decode kernels take them, the prefill kernel the rest),
         # generated tokens' first among them (the fast CPU products compute those as in a step
-        # of generated tokens alone: workers/step_rows.py).
+        # of generated tokens alone: workers/cpu/row_layout.py).
         request_ids.sort(key=lambda r: (sched.num_scheduled_tokens[r] != 1, self.requests[r].computes_prompt))
         states = [self.requests[r] for r in request_ids]
         batch = self._plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
@@ -214,7 +217,7 @@ class ModelRunner:
             if constrained:
                 masks = self.structured.start_step(len(rows), constrained)
         # Rows whose logits the sampler changes (or returns as log-probabilities) need every
-        # logit exact where the output layer is bfloat16 (workers/cpu_output_layer.py).
+        # logit exact where the output layer is bfloat16 (workers/cpu/output_layer.py).
         exact_rows, greedy_step = [], False
         if self.rescored_output is not None:
             exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))
@@ -262,7 +265,7 @@ class ModelRunner:
         attention, positions = self._attention_metadata(batch, states)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
-        with step_rows.prompt_step(batch.leading_generated, len(batch.input_ids)):
+        with forward_context(attention, StepRows(len(batch.input_ids), batch.leading_generated, self.row_limits)):
             if self.lean is not None:
                 return self.lean.forward(input_ids, positions, logits_index, attention)
             input_ids = input_ids.unsqueeze(0)
@@ -270,9 +273,8 @@ class ModelRunner:
                 inputs = {"input_ids": input_ids}
             else:
                 inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
-            with step_metadata(attention):
-                return self.model(**inputs, position_ids=positions, use_cache=False,
-                                  logits_to_keep=logits_index).logits[0]
+            return self.model(**inputs, position_ids=positions, use_cache=False,
+                              logits_to_keep=logits_index).logits[0]
 
     def _plan_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
         """The step on the host: token ids, positions, slots, block table, sampled rows."""
@@ -451,7 +453,7 @@ class PackedBatch:
     # The leading rows that hold one token each.
     num_decodes: int
     # How many leading rows hold one generated token each; None if no row computes a prompt
-    # token (workers/step_rows.py, prompt_step).
+    # token (workers/cpu/row_layout.py, StepRows).
     leading_generated: int | None
     sample_rows: list[int]
     logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples

@@ -4,7 +4,7 @@ Every scheduled token of every request runs as one sequence. Each layer first wr
 step's keys and values into the block cache (all of them, before any read, so requests
 scheduled in the same step can share freshly registered prefix blocks), then attends:
 decodes in a few padded batches (or, where the native CPU decode attention serves, one batch
-read from the cache in place: cpu_decode_attention.py), prefill chunks one span at a time.
+read from the cache in place: native_attention.py), prefill chunks one span at a time.
 
 With the Triton backend (the default on CUDA; kernels/) the layer reads the caches through
 block tables instead: one cache-write launch, one decode launch for the single-token rows
@@ -12,8 +12,8 @@ block tables instead: one cache-write launch, one decode launch for the single-t
 path never gathers a context or reads a tensor's value on the host, so a decode step can be
 captured in a CUDA graph (workers/decode_graphs.py).
 
-The step's metadata reaches the layers through `step_metadata` (set by the runner around
-the forward), not through the model's arguments, which then carry only tensors.
+The step's metadata reaches the layers through the forward context (workers/forward_context.py,
+set by the runner around the forward), not through the model's arguments, which then carry only tensors.
 
 A CPU cache may hold another dtype than the model's (bfloat16 on request for a float32 model:
 workers/kv_cache_dtype.py): the step's keys and values are rounded to it when written
@@ -24,9 +24,7 @@ cache holds it: an answer does not depend on how its prompt was chunked or found
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +32,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.config import ATTENTION_BACKENDS
-from workers import cpu_decode_attention
+from workers import forward_context
+from workers.cpu import native_attention
 
 ATTENTION_NAME = "antiphon_paged"
 
@@ -63,7 +62,7 @@ class DecodeGroup:
     context_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where the slot is in the context; None: all are
     # One row whose context fills consecutive slots [start, start + L): read in place, no gather.
     context_start: int | None = None
-    # Or for the native kernel (workers/cpu_decode_attention.py), which reads each row's context
+    # Or for the native kernel (workers/cpu/native_attention.py), which reads each row's context
     # in place, any lengths in one group: [B, W] int64 block tables, [B] int64 context lengths.
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
@@ -122,22 +121,6 @@ class UnsupportedAttentionFeature(RuntimeError):
     """The model asked for an attention variant this function does not compute."""
 
 
-# Per thread: a forward runs entirely in the thread that calls the model, and two engines in
-# one process (each with its own step thread under asynchronous scheduling) may run at once.
-_current = threading.local()
-
-
-@contextlib.contextmanager
-def step_metadata(meta: PagedAttentionMetadata | BlockTableMetadata):
-    """The metadata every attention layer of a forward run inside this block uses."""
-    previous = getattr(_current, "step", None)
-    _current.step = meta
-    try:
-        yield
-    finally:
-        _current.step = previous
-
-
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     antiphon_attn: PagedAttentionMetadata | None = None, sliding_window: int | None = None,
                     softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
@@ -158,9 +141,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] of the packed step -> [T, Hq, D]."""
-    meta = meta if meta is not None else getattr(_current, "step", None)
+    meta = meta if meta is not None else forward_context.current().attention
     if meta is None:
-        raise RuntimeError("antiphon_paged attention needs the step's metadata (workers.paged_attention.step_metadata)")
+        raise RuntimeError("antiphon_paged attention needs the step's metadata (workers.forward_context)")
     # A window no shorter than every context in the step masks nothing: it computes the same.
     if sliding_window is not None and meta.max_context_len > sliding_window:
         raise UnsupportedAttentionFeature(
@@ -221,7 +204,7 @@ def attend_decode_group(group: DecodeGroup, q: torch.Tensor, key_cache: torch.Te
                         scale: float | None) -> torch.Tensor:
     if group.context_lens is not None:
         scale = scale if scale is not None else q.shape[-1] ** -0.5  # SDPA's default
-        return cpu_decode_attention.attend(q, key_cache, value_cache, group.block_tables, group.context_lens,
+        return native_attention.attend(q, key_cache, value_cache, group.block_tables, group.context_lens,
                                            group.block_size, scale)
     return decode_attention(q, key_cache, value_cache, group.context_slots, group.context_mask, scale,
                             group.context_start)

@@ -1,7 +1,7 @@
 """A bound on the oneDNN primitives that a process running the model on CPU keeps.
 
 Every product that goes through oneDNN (`mkldnn._linear_pointwise`: the packed layers of
-cpu_packed_linear.py, the lean forward's and the C++ stack's products, the bfloat16 copies of
+packed_linear.py, the lean forward's and the C++ stack's products, the bfloat16 copies of
 4-bit layers, the float32 product's long chunks) is a primitive made for its exact shape: the
 weight's and the number of rows. oneDNN keeps each one for the next call of that shape, and
 torch's glue to it (ideep) keeps another cache beside it, 1024 entries each by default. A

@@ -5,7 +5,7 @@ arithmetic, so reading 4 bits a weight instead of bfloat16's 16 makes it faster.
 is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale and minimum
 (weight = code * scale + minimum, code 0..15). Two kernels run it, chosen once per process
 (`Int4Product`):
-- on x86-64 CPUs with AVX-512 VNNI or AVX2, Antiphon's own (workers/native/int4_product.cpp
+- on x86-64 CPUs with AVX-512 VNNI or AVX2, Antiphon's own (workers/cpu/csrc/int4_product.cpp
   and its AVX2 variant, bitwise the same, built with the C++ decode step): llama.cpp's
   method, the input quantized to 8 bits per group of 32 and integer dot products, float16
   scales and minimums (exact for GGUF's Q4_1). Its speed against torch's kernel and oneDNN's
@@ -15,10 +15,10 @@ is GGUF's Q4_1: groups of 32 weights along the input, each with a float scale an
   scales and zeros, float accumulation).
 
 Torch's kernel's arithmetic costs more per row than oneDNN's bfloat16 product, so it wins only
-while reading the weights dominates: up to about 8 rows (MAX_INT4_ROWS, below; the native
-kernel goes further, MAX_NATIVE_INT4_ROWS). Each layer also keeps a copy of the same
+while reading the weights dominates: up to about 8 rows (the native kernel goes further:
+row_layout.KernelRowLimits). Each layer also keeps a copy of the same
 (dequantized) weights, oneDNN-packed, for larger batches and for prompt tokens
-(workers/step_rows.py): bfloat16, or float32 where oneDNN has no bfloat16 product.
+(workers/cpu/row_layout.py): bfloat16, or float32 where oneDNN has no bfloat16 product.
 
 Checkpoints converted from a Q4_1 GGUF file (the default model is one) hold float weights
 that already lie on this grid: for them the 4-bit codes lose nothing, which `on_int4_grid`
@@ -38,47 +38,34 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.cpu_packed_linear import PackedLinear, can_pack_bf16
-from workers.step_rows import generated_rows, split_rows
+from workers.cpu.packed_linear import PackedLinear, can_pack_bf16
+from workers import forward_context
+from workers.cpu.product_kinds import ProductKind
+from workers.cpu.row_layout import KERNEL_ROW_LIMITS, split_rows
 
 GROUP_SIZE = 32
 MAX_CODE = 15
-# Up to this many rows a 4-bit kernel runs; more rows use the bfloat16 copy. Against oneDNN's
-# bfloat16 product over the default model's layers (benchmarks/int4_kernels.py): torch's kernel
-# 3.2x at 1 row, 1.25x at 8, 0.85x at 16, where it stops paying. The native one is faster at
-# every row count measured (5x at 1 row, 2x at 32, 1.5-1.9x at 48-96, 1.1x at 512, with VNNI),
-# but its 8-bit inputs in a prompt's prefill moved the default model's greedy answers (its demo
-# answer turned French), so prompt tokens take the copy (below). Decode steps take the native
-# kernel up to 512 rows, so in greedy steps a decode row computes the same in a step of any size
-# up to there. On CPUs with AMX, oneDNN's bfloat16 tile products may outrun the kernel at many
-# rows; that is not measured, so AMX takes the same rule (its tiles serve the copy only) until
-# benchmarks/int4_kernels.py on such a CPU says otherwise.
-MAX_INT4_ROWS = 8
-MAX_NATIVE_INT4_ROWS = 512
-# Prompt tokens take the copy at every row count (workers/step_rows.py says which rows of a step
-# are prompt tokens): on the native kernel's 8-bit inputs, a prompt's tail after a prefix-cache
-# hit (a step of a few rows) moved the answer: on a fresh server the README's question was
-# answered "Paris" if asked first and French gibberish once another conversation had cached the
-# system prompt. So the tokens a prompt step computes take the copy whatever part
-# of the prompt is cached. (Not every cached token came from one: a follow-up turn's prompt
-# holds the previous answer, whose cached keys and values its decode steps computed in 4 bits,
-# and a fresh cache computes them from the copy.) Generated tokens take the kernel in every
-# step, one that also computes another request's prompt included (step_rows.py: so that a
-# greedy answer does not depend on the server's load).
-
-
-def kernel_rows_limit(native: bool) -> int:
-    """The most rows a 4-bit kernel takes. Read at each call (benchmarks/perplexity.py raises
-    the limits)."""
-    return MAX_NATIVE_INT4_ROWS if native else MAX_INT4_ROWS
+# Which rows take a 4-bit kernel and which the copy is row_layout.py's rule (KernelRowLimits
+# says how many rows each kernel takes). Prompt tokens take the copy at every row count: on the
+# native kernel's 8-bit inputs, a prompt's tail after a prefix-cache hit (a step of a few rows)
+# moved the default model's greedy answer: on a fresh server the README's question was answered
+# "Paris" if asked first and French gibberish once another conversation had cached the system
+# prompt. So the tokens a prompt step computes take the copy whatever part of the prompt is
+# cached. (Not every cached token came from one: a follow-up turn's prompt holds the previous
+# answer, whose cached keys and values its decode steps computed in 4 bits, and a fresh cache
+# computes them from the copy.) Generated tokens take the kernel in every step, one that also
+# computes another request's prompt included, so that a greedy answer does not depend on the
+# server's load.
 
 
 def kernel_rows(rows: int, native: bool) -> int:
-    """How many of a product's leading `rows` a 4-bit kernel computes in this step: the
-    generated tokens' (step_rows.generated_rows), if the kernel takes that many; the rest take
-    the bfloat16 copy."""
-    generated = generated_rows(rows)
-    return generated if generated <= kernel_rows_limit(native) else 0
+    """How many of a product's leading `rows` a 4-bit kernel computes in the running step
+    (its row layout: workers/forward_context.py); the rest take the copy."""
+    return forward_context.current().rows.kernel_rows(rows, kind_of(native))
+
+
+def kind_of(native: bool) -> ProductKind:
+    return ProductKind.NATIVE_INT4 if native else ProductKind.TORCH_INT4
 
 
 # A weight "is on the grid" when every group reconstructs within this fraction of its step.
@@ -109,7 +96,7 @@ class Int4Weight:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes, 1), self.kernel_scales_and_zeros()
 
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(codes, scales and minimums) in the layout of workers/native/int4_product.cpp:
+        """(codes, scales and minimums) in the layout of workers/cpu/csrc/int4_product.cpp:
         codes uint8 [N/16, K/32, 4, 64] (two codes a byte, in vpdpbusd's operand order) and
         float16 [N/16, K/32, 2, 16]. Packs of row blocks stack along dim 0. None where float16
         scales and minimums move a weight by more than 2^-8 of its group's largest: values past
@@ -163,10 +150,10 @@ def kernel_available() -> bool:
 
 def native_kernel_available(wait: bool = True) -> bool:
     """Whether 4-bit weights use the native kernel in this process (the first call waits
-    for the native library's build; see native_decode.int4_product_available)."""
-    from workers import native_decode  # here: native_decode imports this module
+    for the native library's build; see native_library.int4_product_available)."""
+    from workers.cpu import native_library  # here: native_library imports this module
 
-    return native_decode.int4_product_available(wait)
+    return native_library.int4_product_available(wait)
 
 
 @dataclass(eq=False)
@@ -181,7 +168,7 @@ class Int4Product:
 
     def __post_init__(self) -> None:
         if self.native and not hasattr(torch.ops.antiphon_cpu, "int4_product"):
-            raise RuntimeError("the native 4-bit kernel is not loaded (see native_decode.int4_product_available)")
+            raise RuntimeError("the native 4-bit kernel is not loaded (see native_library.int4_product_available)")
         # Resolved once: this runs ~200 times per decoded token.
         self._kernel = (torch.ops.antiphon_cpu.int4_product.default if self.native
                         else torch.ops.aten._weight_int4pack_mm_for_cpu.default)
@@ -195,8 +182,8 @@ class Int4Product:
     @property
     def kernel_max_rows(self) -> int:
         """The most rows this kernel takes in any step: for the output layer's candidate picker,
-        whose picks are rescored in float32 (cpu_output_layer.py), so prompt steps keep it."""
-        return kernel_rows_limit(self.native)
+        whose picks are rescored in float32 (output_layer.py), so prompt steps keep it."""
+        return KERNEL_ROW_LIMITS.of(kind_of(self.native))
 
     @staticmethod
     def concatenate(products: list["Int4Product"]) -> "Int4Product":
@@ -280,17 +267,25 @@ class Int4Linear(torch.nn.Module):
         self.weight = self.batched.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Kept to the fewest torch calls: this runs ~200 times per decoded token.
-        rows = x.reshape(-1, self.in_features)
+        return self.rows_product(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def rows_product(self, rows: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [R, in] -> float32 [R, out], the bias added: the step's generated rows on the
+        kernel, prompt rows (and too many) on the copy (row_layout.py). `rounded`: rows already
+        rounded to bfloat16 by a caller whose other products share that copy (lean_forward.py).
+        Kept to the fewest torch calls: this runs ~200 times per decoded token."""
         count = rows.shape[0]
         on_kernel = kernel_rows(count, self.int4.native)
         if on_kernel == count:
-            out = self.int4(rows)
-        else:  # generated tokens' rows on the kernel, prompt tokens' (and too many) on the copy
-            out = split_rows(count, on_kernel, lambda part: self.int4(rows[part]), lambda: self.batched(rows))
+            out = self.int4(rows, rounded)
+        else:
+            copy_rounded = rounded if self.batched.dtype == torch.bfloat16 else None
+            out = split_rows(count, on_kernel,
+                             lambda part: self.int4(rows[part], None if rounded is None else rounded[part]),
+                             lambda: self.batched.rows_product(rows, copy_rounded))
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,6 +1,6 @@
 // Decode attention that reads the paged KV cache in place, for CPU decode steps of models
 // whose layers run native products, 4-bit or exact mode's float32
-// (workers/cpu_decode_attention.py says when).
+// (workers/cpu/native_attention.py says when).
 //
 // The torch path gathers every row's context with index_select (a copy of its keys and values
 // per layer) and runs SDPA over the padded batch; for single-token queries SDPA's CPU kernel

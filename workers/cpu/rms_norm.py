@@ -4,7 +4,7 @@ LlamaRMSNorm and its copies (Qwen2, Mistral, Qwen3, ...) compute
 weight * (x * rsqrt(mean(x^2) + eps)) with six torch calls. A layer whose output is bitwise
 `F.rms_norm`'s on a probe input (so: the same formula) is replaced by one call:
 
-- the native one-pass RMSNorm (native/rms_norm.cpp) in models whose layers run native
+- the native one-pass RMSNorm (csrc/rms_norm.cpp) in models whose layers run native
   products (model_loader.choose_native_parts: exact mode's and 4-bit layers on AVX-512 CPUs):
   ~1 us for a row of the default model against F.rms_norm's ~10 (61 norms per decoded token).
   Its sum of squares runs in another order than ATen's: rounding-level differences from
@@ -14,7 +14,7 @@ weight * (x * rsqrt(mean(x^2) + eps)) with six torch calls. A layer whose output
   4096 and 1 to 500 rows), 25 -> 15 us per call.
 
 The choice is made once per model, for all its norms, and the lean forward and the C++ stack
-(lean_decoder.py, native/decode_stack.cpp) read it from the module: a row gets the same numbers
+(lean_forward.py, csrc/decode_stack.cpp) read it from the module: a row gets the same numbers
 whichever forward serves its step. A variant with another formula, such as Gemma's
 1 + weight, is kept as it is.
 """
@@ -36,7 +36,7 @@ class FusedRMSNorm(torch.nn.Module):
 
     @property
     def native(self) -> bool:
-        """Whether this norm runs native/rms_norm.cpp (fixed when made: the lean forward and
+        """Whether this norm runs csrc/rms_norm.cpp (fixed when made: the lean forward and
         the C++ stack read it to compute alike)."""
         return self._native_norm is not None
 

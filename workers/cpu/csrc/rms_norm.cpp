@@ -1,5 +1,5 @@
-// RMSNorm in one pass over each row, for float32 CPU models (workers/fused_rms_norm.py decides
-// where it serves; workers/native_decode.py builds this file).
+// RMSNorm in one pass over each row, for float32 CPU models (workers/cpu/rms_norm.py decides
+// where it serves; workers/cpu/native_library.py builds this file).
 //
 // transformers' formula, weight * (x * rsqrt(mean(x^2) + eps)), is six torch calls, or one
 // (F.rms_norm) that is still several ATen kernels inside, each with its own dispatch and

@@ -1,6 +1,6 @@
 // A 4-bit weight product for CPU decode steps with AVX-512 VNNI integer dot products, or
 // AVX2's where the CPU lacks VNNI (int4_product_avx2.cpp: bitwise the same results)
-// (workers/cpu_int4.py describes the weights; workers/native_decode.py builds this file).
+// (workers/cpu/int4.py describes the weights; workers/cpu/native_library.py builds this file).
 //
 // A decode step's products are memory-bound: the 4-bit codes are read once per step. This
 // kernel does what llama.cpp does for Q4_1 weights: each row of the input is quantized to
@@ -15,7 +15,7 @@
 // x86-64 only (AVX-512 or AVX2 intrinsics, compiled for their target per function, so the
 // library loads on any x86-64 CPU); elsewhere int4_product_supported() is false.
 //
-// Layout (cpu_int4.Int4Weight.native_layout), for N outputs and K inputs, in tiles of 16
+// Layout (int4.Int4Weight.native_layout), for N outputs and K inputs, in tiles of 16
 // outputs and groups of 32 inputs:
 //   codes  uint8 [N/16, K/32, 4, 64]: in pair p of a group, byte 4*j + i holds output j's
 //          code for input 8p + i in its low nibble and for input 8p + 4 + i in its high one,
@@ -57,7 +57,7 @@ constexpr int64_t kMaxRowsPerPass = 4;
 // (a multiple of kMaxRowsPerPass, so the passes fall as in a whole-tile call: the same
 // arithmetic per row). Up to this many rows that is one item per tile, as a decode step of a
 // few streams needs; a step of many rows (decode steps take this kernel up to 512,
-// cpu_int4.MAX_NATIVE_INT4_ROWS) also spreads over its rows, so on a many-core CPU the
+// int4.MAX_NATIVE_INT4_ROWS) also spreads over its rows, so on a many-core CPU the
 // threads are not limited to a layer's tiles (36 for a 576-output layer, in items of 4).
 constexpr int64_t kRowsPerItem = 16;
 static_assert(kRowsPerItem % kMaxRowsPerPass == 0, "items hold whole passes");

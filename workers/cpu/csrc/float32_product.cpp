@@ -1,5 +1,5 @@
-// A float32 weight product for CPU serving in exact mode (workers/cpu_float32_linear.py holds
-// the weights; workers/native_decode.py builds this file).
+// A float32 weight product for CPU serving in exact mode (workers/cpu/float32_linear.py holds
+// the weights; workers/cpu/native_library.py builds this file).
 //
 // A one-row product reads its whole weight matrix to do two flops a weight, so its speed is
 // the speed at which the weights stream from memory. oneDNN's packed float32 product streamed
@@ -7,7 +7,7 @@
 // as one sequential stream per tile of outputs and prefetches ahead in it: 1.4-2x oneDNN's for
 // one row, with the host's bandwidth of the minute (benchmarks/float32_products.py).
 //
-// Layout (cpu_float32_linear.tile_weight), for N outputs and K inputs, multiples of 8 and 16:
+// Layout (float32_linear.tile_weight), for N outputs and K inputs, multiples of 8 and 16:
 //   float32 [N/8, K/16, 8, 16]: tile t, chunk c, output j, lane i holds the weight of output
 //   8t + j for input 16c + i.
 //
@@ -161,6 +161,6 @@ at::Tensor float32_product(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(antiphon_cpu, m) {
   m.def("float32_product_supported() -> bool", &float32_product_supported);
   m.def("float32_product(Tensor x, Tensor weight) -> Tensor", &float32_product);
-  // For the callers that compute some rows apart (workers/cpu_float32_linear.py).
+  // For the callers that compute some rows apart (workers/cpu/float32_linear.py).
   m.def("float32_rows_for_onednn() -> int", []() -> int64_t { return kFloat32RowsForOneDNN; });
 }

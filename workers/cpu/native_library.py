@@ -1,16 +1,10 @@
-"""The decoder layers of CPU decode steps as one C++ call (workers/native/decode_stack.cpp).
-
-The lean forward (lean_decoder.py) makes ~30 torch calls per layer from Python; on a CPU,
-for a one-row step of a small model, the interpreter's share of each call is a large part
-of the step. The C++ stack makes the same ATen calls in the same order (the rotary embedding
-as one loop that rounds as they do), so the logits stay bitwise the model's own, without the
-interpreter between them.
-
-The same library holds the native 4-bit product (native/int4_product.cpp, cpu_int4.py), exact
-mode's float32 product (native/float32_product.cpp, cpu_float32_linear.py), the decode
-attention that reads the paged cache in place (native/decode_attention.cpp,
-cpu_decode_attention.py), a one-pass RMSNorm (native/rms_norm.cpp, fused_rms_norm.py) and the
-output layer's rescoring of its top candidates (native/rescore_top.cpp, cpu_output_layer.py).
+"""Building and loading the native CPU kernels (csrc/), one library: the C++ decode stack
+(csrc/decode_stack.cpp, decode_stack.py), the native 4-bit product (csrc/int4_product.cpp and its
+AVX2 variant, int4.py), exact mode's float32 product (csrc/float32_product.cpp,
+float32_linear.py), the decode attention that reads the paged cache in place
+(csrc/decode_attention.cpp, native_attention.py), a one-pass RMSNorm (csrc/rms_norm.cpp,
+rms_norm.py) and the output layer's rescoring of its top candidates (csrc/rescore_top.cpp,
+output_layer.py).
 
 It is compiled here, against the installed torch, on first use (~15-40 s with two cores; g++
 and ninja) into $ANTIPHON_CACHE/native, by a child process at a lower priority that a
@@ -38,18 +32,19 @@ from pathlib import Path
 
 import torch
 
-from workers import cpu_int4
-from workers.cpu_float32_linear import Float32Linear
-from workers.cpu_features import cpu_flags
+from workers.cpu import int4
+from workers.cpu.float32_linear import Float32Linear
+from workers.cpu.features import cpu_flags
 
 logger = logging.getLogger("antiphon")
 
-NATIVE = Path(__file__).resolve().parent / "native"
+NATIVE = Path(__file__).resolve().parent / "csrc"
 SOURCES = [NATIVE / "decode_stack.cpp", NATIVE / "int4_product.cpp", NATIVE / "int4_product_avx2.cpp",
            NATIVE / "decode_attention.cpp",
            NATIVE / "float32_product.cpp", NATIVE / "rms_norm.cpp", NATIVE / "rescore_top.cpp"]
 HEADERS = [NATIVE / "int4_product.h", NATIVE / "int4_product_avx2.h", NATIVE / "decode_attention.h",
-           NATIVE / "float32_product.h", NATIVE / "rms_norm.h", NATIVE / "avx512_util.h"]
+           NATIVE / "float32_product.h", NATIVE / "rms_norm.h", NATIVE / "avx512_util.h",
+           NATIVE / "product_kinds.def"]
 LIBRARY = "antiphon_cpu"
 # -ffp-contract=off: the stack's own float arithmetic (the rotary loop) must round each
 # product and sum as ATen's separate calls do, or its results would not be bitwise theirs on
@@ -63,10 +58,6 @@ LDFLAGS = ["-fopenmp"]
 # go after a build (a process still using one keeps its mapping; its checkout rebuilds).
 KEPT_LIBRARIES = 4
 
-# Product kinds, as decode_stack.cpp's ProductKind: 4-bit with torch's kernel or the native one
-# (cpu_int4.Int4Product), oneDNN-packed bfloat16 or float32, and the native float32 product
-# (cpu_float32_linear.py).
-INT4_PRODUCT, BF16_PRODUCT, FLOAT32_PRODUCT, NATIVE_INT4_PRODUCT, NATIVE_FLOAT32_PRODUCT = 0, 1, 2, 3, 4
 # How long loading a model whose layers take a native product waits for the library (a first
 # build takes ~15-40 s here), well inside the engine's worker start timeout; past it, torch's
 # kernels serve.
@@ -140,15 +131,15 @@ def float32_product_available(wait: bool = True) -> bool:
 
 
 def takes_native_kernels(model: torch.nn.Module) -> bool:
-    """Whether `model`'s layers run a native product, 4-bit (cpu_int4.py) or exact mode's
-    float32 (cpu_float32_linear.py). Such a model waited for the library when it loaded, so its
+    """Whether `model`'s layers run a native product, 4-bit (int4.py) or exact mode's
+    float32 (float32_linear.py). Such a model waited for the library when it loaded, so its
     other parts take their native kernels too (the norms, the output layer's rescoring, the
     decode attention), from the first step on a cold cache as on a warm one. bf16 and int8
     models start before the library is built: they keep torch's norms, rescoring and
     attention for the whole process, whatever the cache's state. (Only their greedy
     candidates' 4-bit copy takes the native kernel if the library is loaded already:
-    cpu_output_layer._Int4Selector; it picks candidates, whose logits are float32 either way.)"""
-    return any(isinstance(module, Float32Linear) or (isinstance(module, cpu_int4.Int4Linear) and module.int4.native)
+    output_layer._Int4Selector; it picks candidates, whose logits are float32 either way.)"""
+    return any(isinstance(module, Float32Linear) or (isinstance(module, int4.Int4Linear) and module.int4.native)
                for module in model.modules())
 
 
@@ -255,9 +246,9 @@ def _run_builder(library: Path) -> None:
     """Compile in a child process of its own session, at a lower priority: it finishes and
     installs the library even when this process exits first (a one-shot `antiphon generate`
     on a cold cache), and steps served meanwhile keep most of the CPU."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: workers/cpu/ is two below
     code = (f"import os, sys; os.nice(10); sys.path.insert(0, {str(root)!r}); "
-            f"from workers.native_decode import build_library; build_library({str(library)!r})")
+            f"from workers.cpu.native_library import build_library; build_library({str(library)!r})")
     env = dict(os.environ)
     # torch finds ninja on PATH: the one pip installed sits beside this interpreter.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -315,31 +306,3 @@ def _torch_compile(folder: Path) -> Path:
     return Path(load(LIBRARY, [str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                      extra_include_paths=[str(NATIVE)], build_directory=str(folder),
                      is_python_module=False, verbose=False))
-
-
-def stack_computes(layers) -> bool:
-    """Whether the C++ stack computes these layers (lean_decoder._Layer): see native_eligible,
-    and one head size throughout."""
-    return all(layer.native_eligible for layer in layers) and len({layer.head_dim for layer in layers}) == 1
-
-
-def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The C++ stack over `layers` (lean_decoder._Layer) once the library is loaded, or None
-    when it is not (yet) or a layer is of a kind it does not compute."""
-    if not is_ready() or not stack_computes(layers):
-        return None
-    stack = torch.classes.antiphon_cpu.DecodeStack(layers[0].head_dim, cpu_int4.MAX_INT4_ROWS,
-                                                   cpu_int4.MAX_NATIVE_INT4_ROWS, cpu_int4.GROUP_SIZE)
-    for layer in layers:
-        (input_norm, input_eps), (post_norm, post_eps), native_norm = layer.native_norms
-        key_cache, value_cache = kv_caches[layer.index]
-        stack.add_layer(input_norm, input_eps, post_norm, post_eps, native_norm, layer.scaling, key_cache,
-                        value_cache)
-        for group in layer.groups:
-            stack.add_group()
-            for product in group.native_parts:
-                stack.add_product(*product)
-            if group.native_fused is not None:
-                stack.fuse_group(*group.native_fused)
-    stack.finish()
-    return stack

@@ -13,7 +13,7 @@ def can_pack_bf16() -> bool:
     """Whether oneDNN packs bfloat16 weights on this CPU: it needs AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT. Every CPU mode but exact has a bfloat16 product (the layers, the output
     matrix), except that 4-bit layers keep a float32 copy for prompt rows where there is none
-    (cpu_int4.Int4Linear)."""
+    (int4.Int4Linear)."""
     return can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -36,14 +36,18 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        rows = x.reshape(-1, self.in_features)
+        out = self.rows_product(x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def rows_product(self, rows: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [R, in] -> float32 [R, out], the bias added. `rounded`: rows already rounded to
+        bfloat16 by a caller whose other products share that copy (lean_forward.py)."""
         if self.dtype == torch.float32:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows.to(self.dtype), self.packed_weight, None, "none", [], "")
-            out = out.float() if self.bias is None else out.float() + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(input_dtype)
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "").float()
+        if rounded is None:
+            rounded = rows.to(self.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(rounded, self.packed_weight, None, "none", [], "").float()
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"

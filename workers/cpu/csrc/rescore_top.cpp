@@ -1,4 +1,4 @@
-// Each row's highest approximate logits, recomputed in float32 (workers/cpu_output_layer.py).
+// Each row's highest approximate logits, recomputed in float32 (workers/cpu/output_layer.py).
 //
 // Outside exact mode the output matrix is read in bfloat16 or, in greedy steps, 4 bits; the
 // rows' top candidates are then recomputed from the float32 weights. In torch that is a topk

@@ -1,25 +1,30 @@
 """The forward pass of a Llama-like text model on CPU as plain torch calls: bitwise the same
 logits as the model's own forward, with fewer calls.
 
-On a CPU a decode step of a small model is mostly per-call cost, not arithmetic: the default
-model's one-row step spent ~4 ms in its 210 4-bit products and ~15 ms around them before this
-forward, in transformers' module machinery (30 layers x 9 module calls, keyword plumbing, output
-records, the mask helper) and in small tensor calls. This forward runs the same kernels on
-the same values in the same order, and leaves out what computes nothing:
+Why it is kept beside the C++ decode stack (decode_stack.py), which computes the same layers:
+the stack takes pure decode steps only; this forward takes every other step of these models
+(prompt chunks, prompt chunks beside decoding streams, prefix-cache tails) and every step
+until the native library is built or where it cannot be (no compiler, ANTIPHON_NATIVE_DECODE=0).
+It also describes each layer to the stack (its tensors, its products' kinds), so the stack is
+built from it. Against transformers' modules it saves their per-call machinery (30 layers x 9
+module calls, keyword plumbing, output records, the mask helper), which on a CPU is a large
+share of a small step: `python benchmarks/lean_forward.py` times both on the default model.
+Transformers stays the model's definition and the reference: a model class this forward does
+not mirror runs as its modules, and tests/test_lean_decoder.py compares the logits bitwise with
+the model's forward in every CPU mode, on prefill chunks, decode batches and prefix-cache hits.
+
+What it leaves out computes nothing:
 
 - no nn.Module calls: the layers' tensors and kernels are looked up once, at load;
 - products sharing an input (q/k/v, gate/up) share one bfloat16 copy of it in the bfloat16
   and 4-bit modes, instead of making one each (the copy is the same every time);
-- the 4-bit and oneDNN products call their kernels directly (workers/cpu_int4.py,
-  workers/cpu_packed_linear.py, with the same rules: a step's rows of generated tokens 4-bit up
-  to the kernel's limit, cpu_int4.kernel_rows, the bias added in float32 after the product), and
-  so does the native float32 product
-  (workers/cpu_float32_linear.py).
+- the 4-bit and oneDNN products call their kernels directly (int4.py, packed_linear.py, with
+  the same row rule: row_layout.py, the bias added in float32 after the product), and so does
+  the native float32 product (float32_linear.py).
 
 A layer it does not know (an int8 layer, a norm that was not fused) runs as its module, so
 every mode is covered. Only model classes whose forward this one mirrors take it
-(`LEAN_MODELS`); tests/test_lean_decoder.py compares logits bitwise with the model's forward
-in every CPU mode, on prefill chunks, decode batches and prefix-cache hits.
+(`LEAN_MODELS`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from workers import cpu_int4, native_decode
-from workers.cpu_float32_linear import Float32Linear, float32_product
-from workers.cpu_int4 import MAX_INT4_ROWS, Int4Linear, Int4Product
-from workers.cpu_packed_linear import PackedLinear
-from workers.fused_rms_norm import FusedRMSNorm
+from workers import forward_context
+from workers.cpu import decode_stack, int4, native_library
+from workers.cpu.float32_linear import Float32Linear
+from workers.cpu.int4 import Int4Linear, Int4Product
+from workers.cpu.packed_linear import PackedLinear
+from workers.cpu.product_kinds import ProductKind
+from workers.cpu.rms_norm import FusedRMSNorm
+from workers.cpu.row_layout import KERNEL_ROW_LIMITS
 from workers.paged_attention import PagedAttentionMetadata, attend
-from workers.step_rows import in_prompt_step, split_rows
 
 logger = logging.getLogger("antiphon")
 
@@ -73,16 +80,16 @@ class LeanDecoder:
         self.final_norm = _norm(inner.norm)
         self.lm_head = model.lm_head
         self.layers = [_Layer(layer) for layer in inner.layers[:model.config.num_hidden_layers]]
-        # The C++ stack for decode steps (native_decode.py), once built; see attach_native.
+        # The C++ stack for decode steps (decode_stack.py), once built; see attach_native.
         self.native = None
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def attach_native(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Serve decode steps through the C++ stack as soon as it is built (in the
         background), if every layer is of a kind it computes."""
-        if native_decode.enabled() and native_decode.stack_computes(self.layers):
+        if native_library.enabled() and decode_stack.stack_computes(self.layers):
             self._kv_caches = kv_caches
-            native_decode.start_build()
+            native_library.start_build()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
@@ -93,15 +100,17 @@ class LeanDecoder:
         cos, sin = self.rotary_emb(x, positions)  # [1, T, head_dim] each
         # [1, 1, T, head_dim]: broadcast over heads, as the model's rotary helper does.
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self._kv_caches is not None and native_decode.is_ready():
+        if self._kv_caches is not None and native_library.is_ready():
             self._use_native()
         # (A prompt's last token alone is a one-row step too: it takes the Python forward, whose
         # 4-bit layers take their bfloat16 copy in a prompt step; the stack's take 4 bits.)
-        if self.native is not None and _one_decode_group(attention) and not in_prompt_step():
+        rows = forward_context.current().rows
+        if self.native is not None and _one_decode_group(attention) and not rows.computes_prompt:
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
             x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
-                                    start, group.block_tables, group.context_lens, group.block_size)
+                                    start, group.block_tables, group.context_lens, group.block_size,
+                                    rows.kernel_rows_by_kind())
         else:
             for layer in self.layers:
                 x = layer.forward(x, cos, sin, attention)
@@ -112,7 +121,7 @@ class LeanDecoder:
     def _use_native(self) -> None:
         """Builds the C++ stack over the layers: tried once; if it fails, steps stay Python."""
         try:
-            self.native = native_decode.decode_stack(self.layers, self._kv_caches)
+            self.native = decode_stack.decode_stack(self.layers, self._kv_caches)
         except Exception as exc:  # noqa: BLE001 - the Python forward computes the same
             logger.warning("native CPU decode stack not used (%s: %s)", type(exc).__name__, exc)
         finally:
@@ -142,7 +151,7 @@ class _Layer:
         self.down_proj = _ProductGroup([mlp.down_proj])
         act = mlp.act_fn
         self.act = F.silu if type(act).__name__ in ("SiLUActivation", "SiLU") else act
-        # What the C++ stack needs (native_decode.py): both norms fused, every product of a
+        # What the C++ stack needs (decode_stack.py): both norms fused, every product of a
         # kind it computes, SiLU, no window.
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.native_norms = ((*((n.weight, n.variance_epsilon) for n in norms), norms[0].native)
@@ -204,8 +213,8 @@ class _ProductGroup:
         # Whether the bfloat16 copy of the input is needed at all row counts, or above
         # the native kernel's rows limit only (it takes float32; its batched copy bfloat16, or
         # float32 where the CPU has no bfloat16 product).
-        self.rounds_always = bool(kinds & {native_decode.INT4_PRODUCT, native_decode.BF16_PRODUCT})
-        self.rounds_above = any(description[0] == native_decode.NATIVE_INT4_PRODUCT
+        self.rounds_always = bool(kinds & {ProductKind.TORCH_INT4, ProductKind.PACKED_BF16})
+        self.rounds_above = any(description[0] == ProductKind.NATIVE_INT4
                                 and description[3].dtype == torch.bfloat16
                                 for description in self.native_parts if description is not None)
         if any(part is None for part in self.native_parts):
@@ -213,10 +222,10 @@ class _ProductGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.shape[0]
-        rounds = self.rounds_always or (self.rounds_above and cpu_int4.kernel_rows(rows, native=True) < rows)
+        rounds = self.rounds_always or (self.rounds_above and int4.kernel_rows(rows, native=True) < rows)
         rounded = x.to(torch.bfloat16) if rounds else None
         # (A step whose rows split between the kernel and the copy calls the parts, each split.)
-        if self.fused is not None and cpu_int4.kernel_rows(rows, self.fused[0].native) == rows:
+        if self.fused is not None and int4.kernel_rows(rows, self.fused[0].native) == rows:
             product, bias, sizes = self.fused
             out = product(x, rounded)
             return (out if bias is None else out + bias).split(sizes, dim=1)
@@ -254,11 +263,11 @@ def _fuse_int4(linears: list[torch.nn.Module]) -> tuple | None:
 
 def _fused_columns_match(linears: list[Int4Linear], fused: Int4Product) -> bool:
     """Whether torch's kernel gives bitwise the separate products' columns for the fused
-    product, for every row count it serves (1 to MAX_INT4_ROWS) on a probe input. It does for
+    product, for every row count it serves (1 to KERNEL_ROW_LIMITS.torch_int4) on a probe input. It does for
     outputs in multiples of 64 (the default model's); narrower ones go through the kernel's
     tail tiles, which round apart."""
     probe = torch.Generator().manual_seed(0)
-    for rows in range(1, MAX_INT4_ROWS + 1):
+    for rows in range(1, KERNEL_ROW_LIMITS.torch_int4 + 1):
         x = torch.randn(rows, linears[0].in_features, generator=probe)
         separate = torch.cat([linear.int4(x) for linear in linears], dim=1)
         if not torch.equal(separate, fused(x)):
@@ -267,58 +276,24 @@ def _fused_columns_match(linears: list[Int4Linear], fused: Int4Product) -> bool:
 
 
 def _product(linear: torch.nn.Module, description: tuple | None) -> Product:
-    """x float32 (and its bfloat16 copy, where some product takes one) -> float32 output,
-    computed as the layer computes it (and as decode_stack.cpp's products() does, from the
-    same description); a layer of another kind runs as its module."""
+    """x float32 (and its bfloat16 copy, where some product takes one) -> float32 output: the
+    layer's own rows_product, which owns how its rows are computed (and which
+    decode_stack.cpp's products() follows, from the layer's description); a layer of another
+    kind runs as its module."""
     if description is None:
         return lambda x, rounded: linear(x)
-    kind, weight, scales, batched, bias = description
-    linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    if kind == native_decode.FLOAT32_PRODUCT:
-        return lambda x, rounded: linear_pointwise(x, weight, bias, "none", [], "")
-    if kind == native_decode.NATIVE_FLOAT32_PRODUCT:
-        kernel = torch.ops.antiphon_cpu.float32_product.default
-
-        def native_float32_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
-            # As Float32Linear.forward computes it (the bias added in place), without the module call.
-            out = float32_product(kernel, x, weight)
-            if bias is not None:
-                out += bias
-            return out
-        return native_float32_product
-    if kind in (native_decode.INT4_PRODUCT, native_decode.NATIVE_INT4_PRODUCT):
-        int4 = linear.int4
-        copy_takes_bfloat16 = batched.dtype == torch.bfloat16
-
-        def product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
-            # As Int4Linear.forward splits the rows.
-            rows = x.shape[0]
-            on_kernel = cpu_int4.kernel_rows(rows, int4.native)
-            if on_kernel == rows:
-                out = int4(x, rounded)
-            else:
-                out = split_rows(rows, on_kernel,
-                                 lambda part: int4(x[part], None if rounded is None else rounded[part]),
-                                 lambda: linear_pointwise(rounded if copy_takes_bfloat16 else x, batched, None,
-                                                          "none", [], "").float())
-            return out if bias is None else out + bias
-        return product
-
-    def bf16_product(x: torch.Tensor, rounded: torch.Tensor | None) -> torch.Tensor:
-        out = linear_pointwise(rounded, weight, None, "none", [], "").float()
-        return out if bias is None else out + bias
-    return bf16_product
+    return linear.rows_product
 
 
 def _native_product(linear: torch.nn.Module) -> tuple | None:
     """The C++ stack's description of a product: (kind, weight, scales, batched copy, bias),
-    kinds as in decode_stack.cpp; None for a layer it does not compute."""
+    kinds as in csrc/product_kinds.def; None for a layer it does not compute."""
     if isinstance(linear, Int4Linear):
-        kind = native_decode.NATIVE_INT4_PRODUCT if linear.int4.native else native_decode.INT4_PRODUCT
+        kind = int4.kind_of(linear.int4.native)
         return kind, linear.int4.codes, linear.int4.scales, linear.batched.packed_weight, linear.bias
     if isinstance(linear, PackedLinear):
-        kind = native_decode.BF16_PRODUCT if linear.dtype == torch.bfloat16 else native_decode.FLOAT32_PRODUCT
+        kind = ProductKind.PACKED_BF16 if linear.dtype == torch.bfloat16 else ProductKind.PACKED_FLOAT32
         return kind, linear.packed_weight, None, None, linear.bias
     if isinstance(linear, Float32Linear):
-        return native_decode.NATIVE_FLOAT32_PRODUCT, linear.tiled, None, None, linear.bias
+        return ProductKind.NATIVE_FLOAT32, linear.tiled, None, None, linear.bias
     return None

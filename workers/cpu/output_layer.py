@@ -16,7 +16,7 @@ returned get float32 logits for the whole row instead (`full_precision_rows`): a
 a mask the winner can be anywhere in the vocabulary.
 
 A step whose rows are all plain greedy (`greedy_step`: argmax, nothing else read) of up to
-the 4-bit kernel's rows (cpu_int4.py's kernel_max_rows, 8 or 512: prompt steps too, since it
+the 4-bit kernel's rows (int4.py's kernel_max_rows, 8 or 512: prompt steps too, since it
 only picks) needs only each row's winner: there the
 candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: with torch's
 kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits
@@ -28,7 +28,7 @@ logits: at none of the 865 positions of benchmarks/data/english.txt on the defau
 its GGUF file), which is why it only picks.
 
 In a model whose layers run native products (the loader decides: AVX-512F, the native
-library), the candidates are picked and rescored by native/rescore_top.cpp: one pass over each
+library), the candidates are picked and rescored by csrc/rescore_top.cpp: one pass over each
 row's logits and a dot product per candidate read in place (~2 ms less than torch's topk,
 gather and batched product in a 16-row step). Both return the candidates in ascending index
 order, so the first float32 maximum among them is the lowest index, as an argmax over the
@@ -42,9 +42,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from workers import cpu_int4
-from workers.cpu_int4 import Int4Product, can_quantize, quantize_int4
-from workers.cpu_packed_linear import PackedLinear
+from workers.cpu import int4
+from workers.cpu.int4 import Int4Product, can_quantize, quantize_int4
+from workers.cpu.packed_linear import PackedLinear
 
 # Covers greedy choices with a wide margin; more costs a larger gather per row.
 EXACT_CANDIDATES = 32
@@ -68,7 +68,7 @@ class RescoredOutputLayer(torch.nn.Module):
         self.greedy_step = False
         # Greedy steps' candidate picker (None where the 4-bit kernel does not take the shape).
         self.selector = _Int4Selector.of(linear)
-        # Whether the candidates are picked and rescored by native/rescore_top.cpp: set once by
+        # Whether the candidates are picked and rescored by csrc/rescore_top.cpp: set once by
         # the loader (model_loader.choose_native_parts), so a row's candidates never switch.
         self.native_rescore = native_rescore
         # Each row's winner in a greedy step (set by forward, read by the runner within
@@ -127,7 +127,7 @@ class _Int4Selector:
     def __init__(self, weight: torch.Tensor) -> None:
         # It only picks candidates, so it takes the native kernel only if that is loaded already
         # (a bf16-mode model does not wait for the build), and one kernel for the whole matrix.
-        self.product = self._quantize(weight, cpu_int4.native_kernel_available(wait=False))
+        self.product = self._quantize(weight, int4.native_kernel_available(wait=False))
         self.out_features = weight.shape[0]
 
     def _quantize(self, weight: torch.Tensor, native: bool) -> Int4Product:

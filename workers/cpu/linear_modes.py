@@ -6,16 +6,16 @@ kernel streams them. The modes of `--quantization` (numbers: README, benchmarks/
 and benchmarks/perplexity.py):
 
 - "none" (exact): float32 weights on Antiphon's own float32 product where the CPU has
-  AVX-512F (cpu_float32_linear.py), else repacked into oneDNN's blocked layout (both faster
+  AVX-512F (float32_linear.py), else repacked into oneDNN's blocked layout (both faster
   than `F.linear` for one row: benchmarks/float32_products.py).
   Same math as `F.linear`; only the order of the additions differs, at rounding level.
 - "bf16": bfloat16 weights, oneDNN-packed; each linear rounds its input to bfloat16 and
   rounds the product to bfloat16 too; the bias is added in float32. Half the bytes; fast
   only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX).
 - "int4": 4-bit weights in groups of 32 (GGUF's Q4_1 layout) for decode steps of up to 8
-  rows on torch's kernel (512 on the native one, cpu_int4.MAX_NATIVE_INT4_ROWS), a copy for
+  rows on torch's kernel (512 on the native one: row_layout.KernelRowLimits), a copy for
   larger steps and prompt rows: bfloat16 where oneDNN has a bfloat16 product, float32 on
-  AVX2-only CPUs (cpu_int4.py, step_rows.py). An eighth of float32's bytes per generated
+  AVX2-only CPUs (int4.py, row_layout.py). An eighth of float32's bytes per generated
   token (benchmarks/int4_kernels.py). Lossy for a checkpoint that was not 4-bit.
 - "int8": fbgemm's dynamic quantization: weights int8 per output channel, each step's
   activations quantized per tensor on the fly. Small models lose a lot (perplexity:
@@ -29,7 +29,7 @@ and benchmarks/perplexity.py):
   is exact there.
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
-with each row's top candidates recomputed in float32 (cpu_output_layer.py); otherwise it is
+with each row's top candidates recomputed in float32 (output_layer.py); otherwise it is
 float32, as exact mode's other layers (or oneDNN-packed). Tied to the token embedding table,
 it is held as a copy in its kernel's layout; the table keeps its float weights for lookups
 (and for those exact candidates).
@@ -42,12 +42,12 @@ import warnings
 import torch
 
 from engine.config import QUANTIZATION_MODES
-from workers.cpu_features import cpu_flags
-from workers.cpu_float32_linear import Float32Linear, can_tile
-from workers import cpu_int4
-from workers.cpu_int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
-from workers.cpu_output_layer import RescoredOutputLayer
-from workers.cpu_packed_linear import PackedLinear, can_pack, can_pack_bf16
+from workers.cpu.features import cpu_flags
+from workers.cpu.float32_linear import Float32Linear, can_tile
+from workers.cpu import int4
+from workers.cpu.int4 import Int4Linear, can_quantize, int4_if_on_grid, kernel_available, quantize_int4
+from workers.cpu.output_layer import RescoredOutputLayer
+from workers.cpu.packed_linear import PackedLinear, can_pack, can_pack_bf16
 
 # Quality bound for the automatic choice: perplexity of the default model within this factor
 # of exact mode's (benchmarks/perplexity.py). bf16 measures 0.999x, int4 and auto 0.998x;
@@ -89,7 +89,7 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
             raise ValueError(f"quantization={requested} needs oneDNN (torch.backends.mkldnn), not available here")
         if not can_pack_bf16() and not (requested == "int4" and int4_without_bfloat16()):
             needs = ("the native 4-bit kernel (AVX2, FMA and F16C, and the native library built: "
-                     "workers/native_decode.py)" if requested == "int4" else "AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+                     "workers/cpu/native_library.py)" if requested == "int4" else "AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
             raise ValueError(f"quantization={requested} computes in bfloat16 through oneDNN, which this CPU cannot "
                              f"without {needs}; use quantization none")
         if requested == "int4" and not kernel_available():
@@ -101,9 +101,9 @@ def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtyp
 def int4_without_bfloat16() -> bool:
     """Whether 4-bit layers run on this CPU though it has no bfloat16 product (AVX2 without
     AVX-512): the native 4-bit kernel computes their generated rows (int4_product_avx2.cpp)
-    and a float32 copy their prompt rows (cpu_int4.Int4Linear). Waits for the native
+    and a float32 copy their prompt rows (int4.Int4Linear). Waits for the native
     library's build on a first start, as loading 4-bit layers does anyway."""
-    return can_pack() and not can_pack_bf16() and cpu_int4.native_kernel_available()
+    return can_pack() and not can_pack_bf16() and int4.native_kernel_available()
 
 
 def auto_serves_int4(mode: str) -> bool:
@@ -124,7 +124,7 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
     grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit with no loss in its
     codes where `auto_serves_int4(mode)`; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
     output matrix is bfloat16 with its top candidates recomputed in float32
-    (cpu_output_layer.py); otherwise it is float32 (in exact mode like the other layers)."""
+    (output_layer.py); otherwise it is float32 (in exact mode like the other layers)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     counts: dict[str, int] = {}
@@ -168,10 +168,10 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
 
 def native_float32_available() -> bool:
     """Whether exact mode's layers take the native float32 product (waits for the library's
-    build on a first start: native_decode.float32_product_available)."""
-    from workers import native_decode  # here: native_decode imports this module
+    build on a first start: native_library.float32_product_available)."""
+    from workers.cpu import native_library  # here: native_library imports this module
 
-    return native_decode.float32_product_available()
+    return native_library.float32_product_available()
 
 
 def float32_linear(linear: torch.nn.Linear) -> torch.nn.Module:

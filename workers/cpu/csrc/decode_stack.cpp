@@ -1,6 +1,6 @@
-// The decoder layers of a decode step as one C++ call (workers/native_decode.py).
+// The decoder layers of a decode step as one C++ call (workers/cpu/decode_stack.py).
 //
-// It makes the ATen calls of workers/lean_decoder.py, in the same order on the same values,
+// It makes the ATen calls of workers/cpu/lean_forward.py, in the same order on the same values,
 // except the rotary embedding, one loop here that rounds as ATen's eight calls do, a batch's
 // ATen norms, split by rows between the threads (the same calls per chunk, rounding alike),
 // and the cache writes, a copy per row where index_copy_ copies the same floats; the native
@@ -16,10 +16,10 @@
 //
 // It covers a pure decode step whose rows attend in one group (one stream, or streams of
 // similar lengths; any lengths where the native decode attention serves, which the Python
-// forwards then call too: cpu_decode_attention.py), the layers' products being 4-bit
-// (cpu_int4.py: torch's kernel or int4_product.cpp's), oneDNN-packed (cpu_packed_linear.py) or
-// float32 on float32_product.cpp (cpu_float32_linear.py), and their norms fused
-// (fused_rms_norm.py: ATen's or rms_norm.cpp, as the model's modules run them). Everything else
+// forwards then call too: native_attention.py), the layers' products being 4-bit
+// (int4.py: torch's kernel or int4_product.cpp's), oneDNN-packed (packed_linear.py) or
+// float32 on float32_product.cpp (float32_linear.py), and their norms fused
+// (rms_norm.py: ATen's or rms_norm.cpp, as the model's modules run them). Everything else
 // takes the Python forward.
 
 #include <ATen/ATen.h>
@@ -44,15 +44,33 @@
 #include "avx512_util.h"
 
 // The rotary loop below must round each product and sum as ATen's separate calls do (no
-// fused multiply-add), whatever the build flags (native_decode.py passes -ffp-contract=off too).
+// fused multiply-add), whatever the build flags (native_library.py passes -ffp-contract=off too).
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
 
-// How a product is computed, mirroring lean_decoder._product (native_decode.py's kinds).
-enum ProductKind : int64_t { kInt4 = 0, kPackedBf16 = 1, kPackedFloat = 2, kNativeInt4 = 3, kNativeFloat = 4 };
+// How a product is computed (lean_forward._product computes each kind the same way), from the
+// kinds' one definition, which Python reads too (workers/cpu/product_kinds.py).
+enum ProductKind : int64_t {
+#define PRODUCT_KIND(name, value, four_bit) k##name = value,
+#include "product_kinds.def"
+#undef PRODUCT_KIND
+};
 
-bool is_int4(int64_t kind) { return kind == kInt4 || kind == kNativeInt4; }
+// How many kinds there are: the row layout a step hands in has one entry per kind.
+constexpr int64_t kProductKinds = 0
+#define PRODUCT_KIND(name, value, four_bit) +1
+#include "product_kinds.def"
+#undef PRODUCT_KIND
+    ;
+
+bool is_int4(int64_t kind) {
+#define PRODUCT_KIND(name, value, four_bit) \
+  if (kind == value) return four_bit;
+#include "product_kinds.def"
+#undef PRODUCT_KIND
+  return false;
+}
 
 #ifdef ANTIPHON_AVX512_UTIL
 __attribute__((target("avx512f"))) void round_chunks_to_bfloat16(const float* source, uint16_t* target,
@@ -117,7 +135,7 @@ void parallel_with_state(int64_t end, int64_t grain, const F& chunk) {
 
 struct Product {
   int64_t kind;
-  at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight; kNativeFloat: tiled
+  at::Tensor weight;  // 4-bit kinds: packed codes; packed kinds: the oneDNN weight; kNativeFloat32: tiled
   at::Tensor scales;  // 4-bit kinds only: torch's scales and zeros, or the native scales and minimums
   at::Tensor batched; // 4-bit kinds only: the oneDNN copy for more rows (bfloat16, or float32
                       // where the CPU has no bfloat16 product)
@@ -129,7 +147,7 @@ struct Product {
 struct ProductGroup {
   std::vector<Product> parts;
   // Whether the products need the bfloat16 copy of the input at every row count (torch's
-  // 4-bit kernel, bfloat16 weights), or only above max_native_int4_rows (the native 4-bit kernel
+  // 4-bit kernel, bfloat16 weights), or only where rows take its copy (the native 4-bit kernel
   // takes float32, its batched copy bfloat16). Set by finish.
   bool rounds_always = false, rounds_above = false;
   c10::optional<Product> fused;
@@ -139,7 +157,7 @@ struct ProductGroup {
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   double input_eps, post_attention_eps, scaling;
-  bool native_norm;  // the model's norms run rms_norm.cpp (fused_rms_norm.py chose it at load)
+  bool native_norm;  // the model's norms run rms_norm.cpp (rms_norm.py chose it at load)
   at::Tensor key_cache, value_cache;
   std::vector<ProductGroup> groups;  // q/k/v, o, gate/up, down
 };
@@ -186,11 +204,7 @@ void write_kv_rows(const at::Tensor& cache, const at::Tensor& slots, const at::T
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t head_dim, int64_t max_int4_rows, int64_t max_native_int4_rows, int64_t group_size)
-      : head_dim_(head_dim),
-        max_int4_rows_(max_int4_rows),
-        max_native_int4_rows_(max_native_int4_rows),
-        group_size_(group_size) {}
+  DecodeStack(int64_t head_dim, int64_t group_size) : head_dim_(head_dim), group_size_(group_size) {}
 
   void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_attention_norm, double post_attention_eps,
                  bool native_norm, double scaling, at::Tensor key_cache, at::Tensor value_cache) {
@@ -220,7 +234,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The last group's parts as one 4-bit product (codes and scales concatenated along the
-  // outputs), used up to its kernel's most rows.
+  // outputs), used in steps whose rows all take its kernel.
   void fuse_group(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> bias,
                   std::vector<int64_t> sizes) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().groups.empty(), "add_group first");
@@ -238,21 +252,23 @@ class DecodeStack : public torch::CustomClassHolder {
   void finish() {
     rows_independent_ = !layers_.empty();
     max_split_rows_ = std::numeric_limits<int64_t>::max();
+    splits_need_native_int4_ = false;
     min_rows_per_part_ = kMinRowsPerPartInt4;
     mlp_widths_.clear();
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
-          group.rounds_always = group.rounds_always || p.kind == kInt4 || p.kind == kPackedBf16;
+          group.rounds_always = group.rounds_always || p.kind == kTorchInt4 || p.kind == kPackedBf16;
           // (The native kernel's batched copy is float32 where the CPU has no bfloat16 product:
           // then nothing rounds.)
           group.rounds_above =
               group.rounds_above || (p.kind == kNativeInt4 && p.batched.scalar_type() == at::kBFloat16);
           // Only the native kernels compute a row the same in any batch (oneDNN's blocking and
-          // torch's 4-bit kernel may vary with the rows), each up to its own limit.
-          rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat);
-          if (p.kind == kNativeInt4) max_split_rows_ = std::min(max_split_rows_, max_native_int4_rows_);
-          if (p.kind == kNativeFloat) {
+          // torch's 4-bit kernel may vary with the rows): the 4-bit one where the step's layout
+          // puts every row on it, the float32 one below its oneDNN hand-off.
+          rows_independent_ = rows_independent_ && (p.kind == kNativeInt4 || p.kind == kNativeFloat32);
+          splits_need_native_int4_ = splits_need_native_int4_ || p.kind == kNativeInt4;
+          if (p.kind == kNativeFloat32) {
             max_split_rows_ = std::min(max_split_rows_, kFloat32RowsForOneDNN - 1);
             min_rows_per_part_ = kMinRowsPerPartFloat32;
           }
@@ -276,6 +292,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // x [T, hidden] (the token embeddings); cos, sin [1, 1, T, head_dim]; slot_mapping [T];
+  // kernel_rows: the step's row layout (workers/cpu/row_layout.py, StepRows.kernel_rows_by_kind):
+  // per product kind, how many leading rows take its fast kernel (the rest its copy).
   // Then the rows' contexts, for one of two attentions:
   //  - SDPA: context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one
   //    row whose context fills slots [start, start + L) of the cache, start (read in place,
@@ -286,7 +304,8 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                      const c10::optional<at::Tensor>& context_slots, const c10::optional<at::Tensor>& context_mask,
                      int64_t context_start, const c10::optional<at::Tensor>& block_tables,
-                     const c10::optional<at::Tensor>& context_lens, int64_t block_size) {
+                     const c10::optional<at::Tensor>& context_lens, int64_t block_size,
+                     const std::vector<int64_t>& kernel_rows) {
     TORCH_CHECK(finished_, "finish() the stack first");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 4 &&
@@ -300,25 +319,30 @@ class DecodeStack : public torch::CustomClassHolder {
                 "an in-place context is one row's");
     const int64_t tokens = x.size(0);
     TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens, "slot_mapping must be [tokens]");
+    TORCH_CHECK(static_cast<int64_t>(kernel_rows.size()) == kProductKinds, "kernel_rows needs one entry per product kind");
+    for (const int64_t rows : kernel_rows) {
+      TORCH_CHECK(rows >= 0 && rows <= tokens, "kernel_rows must lie in 0..tokens, got ", rows);
+    }
     TORCH_CHECK(!native_attention || (block_tables->dim() == 2 && block_tables->size(0) == tokens &&
                                       context_lens->dim() == 1 && context_lens->size(0) == tokens),
                 "block_tables must be [tokens, blocks] and context_lens [tokens]");
     if (native_attention) {
-      const std::vector<int64_t> bounds = row_parts(*context_lens);
+      const std::vector<int64_t> bounds = row_parts(*context_lens, kernel_rows);
       if (bounds.size() > 2) return forward_split(x, cos, sin, slot_mapping, *block_tables, *context_lens, block_size,
-                                                  bounds);
+                                                  kernel_rows, bounds);
     }
     return run_layers(x, cos, sin, slot_mapping, context_slots, context_mask, context_start, block_tables,
-                      context_lens, block_size);
+                      context_lens, block_size, kernel_rows);
   }
 
-  // The row bounds of the parts a decode step with these context lengths runs in, one per
-  // thread (forward_split), or [0, rows] where it runs all its rows together.
-  std::vector<int64_t> row_parts(const at::Tensor& context_lens) const {
+  // The row bounds of the parts a decode step with these context lengths and this row layout
+  // runs in, one per thread (forward_split), or [0, rows] where it runs all its rows together.
+  std::vector<int64_t> row_parts(const at::Tensor& context_lens, const std::vector<int64_t>& kernel_rows) const {
     TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong,
                 "context_lens must be [rows] int64");
+    TORCH_CHECK(static_cast<int64_t>(kernel_rows.size()) == kProductKinds, "kernel_rows needs one entry per product kind");
     const int64_t rows = context_lens.size(0);
-    return splits_rows(rows) ? part_bounds(context_lens) : std::vector<int64_t>{0, rows};
+    return splits_rows(rows, kernel_rows) ? part_bounds(context_lens) : std::vector<int64_t>{0, rows};
   }
 
   // How many steps ran split by rows (forward_split), for the tests.
@@ -329,14 +353,15 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                         const c10::optional<at::Tensor>& context_slots, const c10::optional<at::Tensor>& context_mask,
                         int64_t context_start, const c10::optional<at::Tensor>& block_tables,
-                        const c10::optional<at::Tensor>& context_lens, int64_t block_size) const {
+                        const c10::optional<at::Tensor>& context_lens, int64_t block_size,
+                        const std::vector<int64_t>& kernel_rows) const {
     const bool native_attention = context_lens.has_value();
     const int64_t tokens = x.size(0);
     const int64_t length = native_attention ? 0 : context_slots->size(1);
     const at::Tensor flat_slots = native_attention ? at::Tensor() : context_slots->reshape({-1});
     for (const Layer& layer : layers_) {
       at::Tensor h = norm(x, layer.input_norm, layer.input_eps, layer.native_norm);
-      std::vector<at::Tensor> qkv = products(layer.groups[0], h);
+      std::vector<at::Tensor> qkv = products(layer.groups[0], h, kernel_rows);
       at::Tensor q = rotate(qkv[0].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor k = rotate(qkv[1].view({1, tokens, -1, head_dim_}).transpose(1, 2), cos, sin);
       at::Tensor v = qkv[2].view({1, tokens, -1, head_dim_}).transpose(1, 2);
@@ -355,10 +380,10 @@ class DecodeStack : public torch::CustomClassHolder {
                                                     layer.scaling, true)
                        .select(2, 0);
       }
-      x = x + products(layer.groups[1], attended.reshape({tokens, -1}))[0];
+      x = x + products(layer.groups[1], attended.reshape({tokens, -1}), kernel_rows)[0];
       h = norm(x, layer.post_attention_norm, layer.post_attention_eps, layer.native_norm);
-      std::vector<at::Tensor> gate_up = products(layer.groups[2], h);
-      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1])[0];
+      std::vector<at::Tensor> gate_up = products(layer.groups[2], h, kernel_rows);
+      x = x + products(layer.groups[3], at::silu(gate_up[0]) * gate_up[1], kernel_rows)[0];
     }
     return x;
   }
@@ -367,10 +392,11 @@ class DecodeStack : public torch::CustomClassHolder {
   // (forward_split) rather than all rows together with each call split between the threads.
   // (OpenMP's dynamic adjustment could give the parts, and ATen's calls, fewer threads than
   // get_num_threads() says, which silu_rounds_alike and the parts' serial calls assume.)
-  bool splits_rows(int64_t tokens) const {
+  bool splits_rows(int64_t tokens, const std::vector<int64_t>& kernel_rows) const {
     const int64_t threads = at::get_num_threads();
     return rows_independent_ && threads >= 2 && tokens >= min_rows_per_part_ * threads &&
-           tokens <= max_split_rows_ && !at::in_parallel_region() && !omp_get_dynamic() && silu_rounds_alike(tokens);
+           tokens <= max_split_rows_ && (!splits_need_native_int4_ || kernel_rows[kNativeInt4] == tokens) &&
+           !at::in_parallel_region() && !omp_get_dynamic() && silu_rounds_alike(tokens);
   }
 
   // Whether silu over the step's [tokens, width] gates rounds the same computed per part (one
@@ -406,7 +432,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward_split(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, int64_t block_size,
-                           const std::vector<int64_t>& bounds) const {
+                           const std::vector<int64_t>& kernel_rows, const std::vector<int64_t>& bounds) const {
     // The lengths checked for the whole step before any part runs: a bad one fails the step
     // before either part writes the cache (the attention checks them too, per part, and the
     // block ids, which a part finds bad only after the other part may have written its rows).
@@ -422,12 +448,17 @@ class DecodeStack : public torch::CustomClassHolder {
     parallel_with_state(static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first, int64_t last) {
       for (int64_t part = first; part < last; ++part) {
         const int64_t begin = bounds[part], end = bounds[part + 1];
+        // The layout's leading kernel rows that fall in this part, leading it too.
+        std::vector<int64_t> part_kernel_rows(kernel_rows.size());
+        for (size_t kind = 0; kind < kernel_rows.size(); ++kind) {
+          part_kernel_rows[kind] = std::max<int64_t>(0, std::min(kernel_rows[kind], end) - begin);
+        }
         // Contiguous once here, not in each layer's calls.
         at::Tensor rows = run_layers(x.slice(0, begin, end), cos.slice(2, begin, end).contiguous(),
                                      sin.slice(2, begin, end).contiguous(),
                                      slot_mapping.slice(0, begin, end).contiguous(), c10::nullopt, c10::nullopt, -1,
                                      block_tables.slice(0, begin, end).contiguous(),
-                                     lens.slice(0, begin, end).contiguous(), block_size);
+                                     lens.slice(0, begin, end).contiguous(), block_size, part_kernel_rows);
         out.slice(0, begin, end).copy_(rows);
       }
     });
@@ -467,7 +498,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   static Product make_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> batched, c10::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind >= kInt4 && kind <= kNativeFloat, "unknown product kind ", kind);
+    TORCH_CHECK(kind >= 0 && kind < kProductKinds, "unknown product kind ", kind);
     TORCH_CHECK(!is_int4(kind) || (scales.has_value() && batched.has_value()),
                 "a 4-bit product needs its scales and its batched copy");
     return Product{kind, std::move(weight), scales.value_or(at::Tensor()), batched.value_or(at::Tensor()),
@@ -529,22 +560,22 @@ class DecodeStack : public torch::CustomClassHolder {
     return out;
   }
 
-  // The most rows a 4-bit kind takes (cpu_int4.kernel_rows_limit); more take the batched copy.
-  int64_t max_rows(int64_t kind) const { return kind == kNativeInt4 ? max_native_int4_rows_ : max_int4_rows_; }
-
-  // A 4-bit product of up to max_rows rows.
+  // A 4-bit product on its kernel (rows the layout puts there).
   at::Tensor int4(const Product& p, const at::Tensor& x, const at::Tensor& rounded) const {
     if (p.kind == kNativeInt4) return int4_product(x, p.weight, p.scales);
     return at::_weight_int4pack_mm_for_cpu(rounded, p.weight, group_size_, p.scales).to(at::kFloat);
   }
 
-  // A group's products on one input; those taking bfloat16 share one rounded copy.
-  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x) const {
+  // A group's products on one input; those taking bfloat16 share one rounded copy. 4-bit
+  // products compute the layout's leading kernel rows on their kernel and the rest on their copy
+  // (written over the copy's rows, as row_layout.split_rows does).
+  std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x,
+                                   const std::vector<int64_t>& kernel_rows) const {
     const int64_t rows = x.size(0);
-    const at::Tensor rounded = group.rounds_always || (group.rounds_above && rows > max_native_int4_rows_)
+    const at::Tensor rounded = group.rounds_always || (group.rounds_above && kernel_rows[kNativeInt4] < rows)
                                    ? x.to(at::kBFloat16)
                                    : at::Tensor();
-    if (group.fused.has_value() && rows <= max_rows(group.fused->kind)) {
+    if (group.fused.has_value() && kernel_rows[group.fused->kind] == rows) {
       const Product& f = *group.fused;
       at::Tensor y = int4(f, x, rounded);
       return (f.bias.has_value() ? y + *f.bias : y).split_with_sizes(group.sizes, 1);
@@ -552,23 +583,28 @@ class DecodeStack : public torch::CustomClassHolder {
     std::vector<at::Tensor> out;
     out.reserve(group.parts.size());
     for (const Product& p : group.parts) {
-      if (p.kind == kPackedFloat) {
+      if (p.kind == kPackedFloat32) {
         out.push_back(onednn_linear(x, p.weight, p.bias));
         continue;
       }
-      if (p.kind == kNativeFloat) {
+      if (p.kind == kNativeFloat32) {
         at::Tensor y = float32_product(x, p.weight);
         // In place, as Float32Linear adds it.
         if (p.bias.has_value()) y += *p.bias;
         out.push_back(y);
         continue;
       }
+      const int64_t on_kernel = is_int4(p.kind) ? kernel_rows[p.kind] : 0;
       at::Tensor y;
-      if (is_int4(p.kind) && rows <= max_rows(p.kind)) {
+      if (is_int4(p.kind) && on_kernel == rows) {
         y = int4(p, x, rounded);
       } else {
         const at::Tensor& weight = is_int4(p.kind) ? p.batched : p.weight;
         y = onednn_linear(weight.scalar_type() == at::kBFloat16 ? rounded : x, weight, c10::nullopt).to(at::kFloat);
+        if (on_kernel > 0) {
+          y.slice(0, 0, on_kernel)
+              .copy_(int4(p, x.slice(0, 0, on_kernel), rounded.defined() ? rounded.slice(0, 0, on_kernel) : rounded));
+        }
       }
       out.push_back(p.bias.has_value() ? y + *p.bias : y);
     }
@@ -580,17 +616,18 @@ class DecodeStack : public torch::CustomClassHolder {
   // rows (finish): where forward_split may split steps by rows.
   bool rows_independent_ = false;
   int64_t max_split_rows_ = 0;
+  bool splits_need_native_int4_ = false;  // a native 4-bit product: parts need every row on its kernel
   int64_t min_rows_per_part_ = kMinRowsPerPartInt4;  // the kinds' largest kMinRowsPerPart*
   std::vector<int64_t> mlp_widths_;  // the layers' MLP inner widths (silu's), each once
   mutable std::atomic<int64_t> split_steps_{0};
 
-  int64_t head_dim_, max_int4_rows_, max_native_int4_rows_, group_size_;
+  int64_t head_dim_, group_size_;
   std::vector<Layer> layers_;
 };
 
 TORCH_LIBRARY(antiphon_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_group", &DecodeStack::add_group)
       .def("add_product", &DecodeStack::add_product)

@@ -1,7 +1,7 @@
-"""Exact mode's float32 linear layers on the native float32 product (native/float32_product.cpp).
+"""Exact mode's float32 linear layers on the native float32 product (csrc/float32_product.cpp).
 
 A decode step's products read every weight once and do two flops with it, so they go as fast
-as the weights stream from memory. oneDNN's packed float32 product (cpu_packed_linear.py)
+as the weights stream from memory. oneDNN's packed float32 product (packed_linear.py)
 streamed the default model's layers at ~15-20 GB/s for one row; the native product lays each
 matrix out as one sequential stream per tile of 8 outputs and prefetches ahead in it, 1.4-2x
 faster here (`python benchmarks/float32_products.py`). Up to 255 rows a row's result does not
@@ -10,7 +10,7 @@ depend on its batch; steps of 256 rows or more (long prefill chunks, where oneDN
 copy kept beside the tiles would double exact mode's memory). In such a step the generated
 tokens (which lead it) are computed in a call of their own, as in a step of their own, so a
 greedy answer does not depend on another request's prompt sharing its steps
-(`float32_product`; workers/step_rows.py).
+(`float32_product`; workers/cpu/row_layout.py).
 
 Its arithmetic is float32 products summed in another order than `F.linear`'s (chains of
 fused multiply-adds 16 lanes wide, then the lanes): differences at rounding level, as between
@@ -25,7 +25,8 @@ import functools
 
 import torch
 
-from workers.step_rows import generated_rows, split_rows
+from workers import forward_context
+from workers.cpu.row_layout import split_rows
 
 # The kernel's tile: 8 outputs, inputs in chunks of 16 (float32_product.cpp's layout).
 TILE_OUTPUTS = 8
@@ -42,11 +43,11 @@ def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tenso
     """x [rows, K] float32 times a tiled weight through `kernel` (the native product): in one
     call, except where the call would take oneDNN's product and this step's generated tokens
     are fewer than its rows: those are then computed again in a native call of their own and
-    written over oneDNN's results (step_rows.split_rows)."""
+    written over oneDNN's results (row_layout.split_rows)."""
     rows = x.shape[0]
     if rows < rows_for_onednn():  # every row on the native product, whatever its batch
         return kernel(x, tiled)
-    return split_rows(rows, generated_rows(rows), lambda part: kernel(x[part], tiled), lambda: kernel(x, tiled))
+    return split_rows(rows, forward_context.current().rows.generated_rows(rows), lambda part: kernel(x[part], tiled), lambda: kernel(x, tiled))
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:
@@ -71,7 +72,7 @@ class Float32Linear(torch.nn.Module):
         ops = torch.ops.antiphon_cpu
         if not (hasattr(ops, "float32_product") and ops.float32_product_supported()):
             raise RuntimeError("the native float32 product is not loaded or this CPU lacks AVX-512F "
-                               "(see native_decode.float32_product_available)")
+                               "(see native_library.float32_product_available)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain attributes, not buffers: see Int4Linear (read ~200 times per token).
         self.tiled = tile_weight(linear.weight)
@@ -81,10 +82,14 @@ class Float32Linear(torch.nn.Module):
         self.weight = torch.zeros((), dtype=torch.float32).expand(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = float32_product(self._kernel, x.reshape(-1, self.in_features), self.tiled)
+        return self.rows_product(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def rows_product(self, rows: torch.Tensor, rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [R, in] -> [R, out], the bias added in place (`rounded` unused: float32 throughout)."""
+        out = float32_product(self._kernel, rows, self.tiled)
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float32, native product"
