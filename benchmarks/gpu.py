@@ -50,6 +50,9 @@ Nothing is ever downloaded. The table's columns:
 
 Exit status: 0; 1 when a check fails or a measurement errors (its row says how); 2 when there is
 no GPU (or --device cpu lacks --check-only or TRITON_INTERPRET=1).
+
+One file on purpose (~890 lines): the device run copies and runs one script, with no import
+from the repo beyond the engine and kernels it measures.
 """
 
 from __future__ import annotations

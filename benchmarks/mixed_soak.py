@@ -34,6 +34,10 @@ each fault to /health 200, and whether text flowed while the encoder or the talk
 Exits non-zero if a request was lost or failed unclearly, a 5xx came outside a fault window, a
 probe read another tenant's answer, a fault was not recovered from, text stopped while the
 encoder or talker was down, or the server did not return to idle.
+
+One file on purpose (~970 lines): its clients, phases and verdicts are one scenario, read in
+order, that only `soak.py --mixed` runs; what other benchmarks share lives in http_client.py
+and soak.py.
 """
 
 from __future__ import annotations

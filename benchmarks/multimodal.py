@@ -30,6 +30,9 @@ embedded default model's) plus Qwen's vision tokens and an image-aware ChatML te
 Server measurements pin the encoder process to core 0 and the decoder process to core 1
 (every thread of each, one OpenMP thread each), as an encoder and a decoder would each own
 their device; the frontend and this client are not pinned.
+
+One file on purpose (~790 lines): its measurements (a)-(e) share one model build and one
+table, and each is read beside its baseline.
 """
 
 from __future__ import annotations

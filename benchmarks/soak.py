@@ -19,6 +19,9 @@ frontend and of each worker at start and end, and whether /metrics shows KV bloc
 registered request queues back at their idle values and /health ok once the load stops. Exits
 non-zero if a request was lost or failed, one was refused below the limit, the server did not
 come back to idle, or a process grew by more than --max-rss-growth-mib.
+
+One file on purpose (~530 lines): a soak is read top to bottom as its workload, its verdicts and
+its report; the HTTP/SSE client it shares with the other benchmarks is benchmarks/http_client.py.
 """
 
 from __future__ import annotations
