@@ -32,7 +32,7 @@ from frontend.admission import Admission, RequestLease
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
-from frontend.tool_calls import prepare_conversation, template_supports_tools
+from frontend.tool_specs import prepare_conversation, template_supports_tools
 
 
 @dataclass
@@ -151,7 +151,7 @@ class GenerationService:
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         normalized = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         # Tools, tool calls and tool answers: rendered by the template when it knows them,
-        # else written into the conversation in the Hermes format (frontend/tool_calls.py).
+        # else written into the conversation in the Hermes format (frontend/tool_specs.py).
         normalized, extra = prepare_conversation(normalized, tools, self.native_tools)
         # Refused before tokenizing when the rendered text alone is too long; client text stays text.
         return self.template.token_ids(normalized, self.max_prompt_tokens, **extra)

@@ -31,8 +31,8 @@ from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_err
 from frontend.request_fields import decode_request
 from frontend.structured_output import (check_logit_bias, forced_call_grammar, named_choice)
 from frontend.tenancy import Requester
-from frontend.tool_calls import (StreamingToolCallParser, ToolCallDelta, ToolSpecError, parse_tool_calls,
-                                 tool_calls_json, validate_tools)
+from frontend.tool_parsers import ToolCallDelta, parser_for, tool_calls_json
+from frontend.tool_specs import ToolSpecError, validate_tools
 
 
 @dataclass
@@ -50,6 +50,7 @@ class ChatPlan:
 class ChatCompletions:
     def __init__(self, app_state) -> None:
         self.state = app_state
+        self.tool_parser = parser_for()
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -191,7 +192,7 @@ class ChatCompletions:
         finish_reason = chunks[-1].finish_reason
         message = {"role": "assistant", "content": text}
         if self._calls_tools(plan):
-            content, calls = parse_tool_calls(text)
+            content, calls = self.tool_parser.parse(text)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -207,7 +208,7 @@ class ChatCompletions:
         created = int(time.time())
         body = plan.body
         include_usage = body.include_usage
-        parsers = {c.index: StreamingToolCallParser() for c in choices} if self._calls_tools(plan) else {}
+        parsers = {c.index: self.tool_parser.streaming() for c in choices} if self._calls_tools(plan) else {}
         called = set()
         last_chunks: dict[int, TextChunk] = {}
 

@@ -1,7 +1,7 @@
 """Realtime function calling and structured output.
 
 A session's `tools` (Realtime's flat shape: type, name, description, parameters) and
-`tool_choice` work as in chat completions (frontend/tool_calls.py): the model writes Hermes
+`tool_choice` work as in chat completions (frontend/tool_specs.py, frontend/tool_parsers/): the model writes Hermes
 `<tool_call>` blocks, forced by a grammar for "required" or a named function, and each call
 streams out as a `function_call` output item (`response.function_call_arguments.delta` /
 `.done`). The client answers with a `function_call_output` item and asks for the next
@@ -18,7 +18,8 @@ import msgspec
 from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
 from frontend.structured_output import ResponseFormat, forced_call_grammar, structured_output_of
-from frontend.tool_calls import StreamingToolCallParser, ToolCallDelta, ToolSpecError, validate_tools
+from frontend.tool_parsers import ToolCallDelta, parser_for
+from frontend.tool_specs import ToolSpecError, validate_tools
 
 
 class RealtimeTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -106,7 +107,7 @@ class FunctionCallStream:
         self.response_id = response_id
         self.new_item_id = new_item_id
         self.first_output_index = first_output_index
-        self.parser = StreamingToolCallParser()
+        self.parser = parser_for().streaming()
         self.items: list[dict] = []
 
     async def feed(self, text: str, final: bool = False) -> str:

@@ -3,7 +3,7 @@
 Sources, at most one per request: OpenAI's `response_format` (`json_object`, `json_schema`)
 and vLLM's extensions `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 Tool calls that must happen (`tool_choice` "required" or a named function) bring their own
-grammar (frontend/tool_calls.py). Each spec is compiled here once, in a process its deadline
+grammar (frontend/tool_call_grammar.py). Each spec is compiled here once, in a process its deadline
 can kill (frontend/grammar_workers.py), so a schema the grammar engine cannot compile, or that
 can match no text, is a 400 naming the problem before the request is admitted; outcomes are
 remembered by digest, so the next request with a known spec costs one hash.
@@ -26,7 +26,8 @@ from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
 from frontend.grammar_workers import GrammarWorkers, Outcome, WorkersUnavailable
 from frontend.tenancy import ANONYMOUS, FairShare, Requester, ShareExhausted, share_of
-from frontend.tool_calls import ToolSpecError, tool_call_grammar
+from frontend.tool_call_grammar import tool_call_grammar
+from frontend.tool_specs import ToolSpecError
 
 # Specs' outcomes (compiled, refused and why) remembered per frontend by digest.
 KNOWN_SPECS = 4096
@@ -119,7 +120,7 @@ def check_logit_bias(params, vocab_size: int) -> None:
 
 
 def named_choice(tool_choice):
-    """tool_choice as frontend/tool_calls.py takes it: a string, or a named function as a dict."""
+    """tool_choice as frontend/tool_specs.py takes it: a string, or a named function as a dict."""
     return msgspec.to_builtins(tool_choice) if tool_choice is not None and not isinstance(tool_choice, str) \
         else tool_choice
 

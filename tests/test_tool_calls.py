@@ -10,17 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.tool_calls import (
-    StreamingToolCallParser,
-    ToolCallDelta,
-    ToolSpecError,
-    parse_tool_calls,
-    prepare_conversation,
-    template_supports_tools,
-    tool_call_grammar,
-    tool_calls_json,
-    validate_tools,
-)
+from frontend.tool_call_grammar import tool_call_grammar
+from frontend.tool_parsers import ToolCallDelta, parser_for, tool_calls_json
+from frontend.tool_parsers.hermes_tool_parser import HermesStreamingParser, parse_tool_calls
+from frontend.tool_specs import ToolSpecError, prepare_conversation, template_supports_tools, validate_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city",
@@ -187,6 +180,20 @@ def test_calls_come_out_in_order_with_arguments_as_written_and_prose_as_content(
                                       for c in calls]
 
 
+def test_the_default_parser_is_hermes_whole_and_streamed_and_an_unknown_name_is_refused():
+    parser = parser_for()
+    content, calls = parser.parse("Sure. " + PARIS_CALL)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    stream = parser.streaming()
+    pieces = stream.feed("Sure. " + PARIS_CALL[:30]) + stream.feed(PARIS_CALL[30:]) + stream.finish()
+    assert pieces[0] == "Sure. " and all(isinstance(p, ToolCallDelta) for p in pieces[1:])
+    assert pieces[1].name == "get_weather" and CALL_ID.fullmatch(pieces[1].id)
+    assert "".join(p.arguments for p in pieces[1:]) == '{"city": "Paris", "unit": "celsius"}'
+    with pytest.raises(ValueError, match="no tool parser named 'mistral'"):
+        parser_for("mistral")
+
+
 def test_an_answer_without_calls_comes_back_unchanged():
     assert parse_tool_calls("  Hello <tool there\n") == ("  Hello <tool there\n", [])
     assert parse_tool_calls(PARIS_CALL)[0] is None
@@ -242,7 +249,7 @@ def test_a_block_left_open_ends_where_the_next_call_begins():
 
 def streamed(text: str, cuts: list[int]) -> tuple[list[str], list[str], str]:
     """(names, arguments, content) as a client puts them together from the streamed deltas."""
-    parser, items = StreamingToolCallParser(), []
+    parser, items = HermesStreamingParser(), []
     bounds = [0, *sorted(set(cuts)), len(text)]
     for start, end in itertools.pairwise(bounds):
         items += parser.feed(text[start:end])
@@ -263,7 +270,7 @@ def streamed(text: str, cuts: list[int]) -> tuple[list[str], list[str], str]:
 
 
 def test_arguments_stream_while_the_model_writes_them():
-    parser = StreamingToolCallParser()
+    parser = HermesStreamingParser()
     assert parser.feed("Sure. <tool_ca") == ["Sure. "]
     first = parser.feed('ll>\n{"name": "get_weather", "arguments": {"city": "Pa\\"r')
     assert len(first) == 1 and first[0].name == "get_weather" and CALL_ID.fullmatch(first[0].id)
@@ -274,7 +281,7 @@ def test_arguments_stream_while_the_model_writes_them():
 
 
 def test_text_that_might_open_a_call_is_held_back_until_it_cannot():
-    parser = StreamingToolCallParser()
+    parser = HermesStreamingParser()
     assert parser.feed("a <tool") == ["a "]
     assert parser.feed("box>") == ["<toolbox>"]
     assert parser.feed(" ends <tool_call") == [" ends "]
@@ -282,7 +289,7 @@ def test_text_that_might_open_a_call_is_held_back_until_it_cannot():
 
 
 def test_a_block_that_turns_out_not_to_be_a_call_is_given_out_as_content_when_it_ends():
-    parser = StreamingToolCallParser()
+    parser = HermesStreamingParser()
     assert parser.feed("<tool_call>\n{not json") == []
     assert parser.feed("}\n</tool_call> then") == ["<tool_call>\n{not json}\n</tool_call> then"]
     assert parser.feed('<tool_call>{"name": 1}') == []
