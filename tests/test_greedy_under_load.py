@@ -13,12 +13,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.request import Request
 from workers import model_runner
+from workers.batch_planning import RunnerRequest, leading_generated_rows
 from workers.cpu import native_library
 from workers.cpu.row_layout import StepRows
 from workers.forward_context import current, forward_context
 from workers.cpu.float32_linear import Float32Linear, rows_for_onednn
 from workers.cpu.int4 import Int4Linear
-from workers.model_runner import RunnerRequest, _leading_generated_rows
 
 
 def greedy_answer(core, prompt: list[int], others: dict[int, list[int]]) -> list:
@@ -113,11 +113,11 @@ def test_only_leading_rows_of_one_generated_token_count_as_generated():
     step with prompt tokens it takes their path, and the count stays a count of tokens."""
     decode, recomputed, prompt = runner_request(4, 9, 10), runner_request(4, 0, 30), runner_request(30, 0, 30)
     recomputed.num_computed_tokens = 5  # its prompt cached, 24 generated tokens to compute
-    assert _leading_generated_rows([decode, recomputed, prompt], np.array([1, 24, 30])) == 1
-    assert _leading_generated_rows([decode, prompt], np.array([1, 30])) == 1
-    assert _leading_generated_rows([prompt], np.array([30])) == 0
-    assert _leading_generated_rows([decode, decode], np.array([1, 1])) is None
-    assert _leading_generated_rows([decode, recomputed], np.array([1, 24])) is None
+    assert leading_generated_rows([decode, recomputed, prompt], np.array([1, 24, 30])) == 1
+    assert leading_generated_rows([decode, prompt], np.array([1, 30])) == 1
+    assert leading_generated_rows([prompt], np.array([30])) == 0
+    assert leading_generated_rows([decode, decode], np.array([1, 1])) is None
+    assert leading_generated_rows([decode, recomputed], np.array([1, 24])) is None
 
 
 def test_the_float32_product_computes_a_long_steps_generated_rows_in_a_call_of_their_own():

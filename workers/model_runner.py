@@ -5,10 +5,9 @@ deltas, so it can run in another process. All scheduled tokens of all requests g
 the model as one packed sequence; logits are computed only for rows that sample, by the
 model's own forward (logits_to_keep), so its final softcapping or logit scale applies.
 
+The step's layout is planned on the host from the runner's request states (batch_planning.py).
 With the Triton attention backend (CUDA) the single-token rows go first and the layers read
 block tables; a pure-decode step of a text model replays a CUDA graph (decode_graphs.py).
-The step's arrays are built on the host with numpy and reach the device in one
-non-blocking copy each (host_staging.py).
 
 For a multimodal model the runner holds the item embeddings the scheduler hands it, feeds
 the model input embeddings in which each item's placeholder rows are that item's embeddings
@@ -25,9 +24,9 @@ import numpy as np
 import torch
 
 from engine.grammars import GrammarCompiler
-from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.batch_planning import PackedBatch, RunnerRequest, plan_batch
 from workers.cpu import native_attention, row_layout
 from workers.cpu.output_layer import RescoredOutputLayer, full_precision_logits
 from workers.decode_graphs import DecodeGraphs
@@ -44,24 +43,6 @@ logger = logging.getLogger("antiphon")
 # Decodes whose context is shorter than this fraction of a group's longest start a new
 # group: fewer padded keys to read, at the cost of one more attention call per layer.
 DECODE_GROUP_MIN_FILL = 0.5
-
-
-@dataclass
-class RunnerRequest:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    mm_placeholders: list[MultiModalPlaceholder]
-    # M-RoPE only: the prompt's [3, num_prompt_tokens] positions; later tokens sit at t + delta.
-    mrope_positions: np.ndarray | None = None
-    mrope_delta: int = 0
-
-    @property
-    def computes_prompt(self) -> bool:
-        """Whether its next step computes prompt tokens (not only a generated one)."""
-        return self.num_computed_tokens < self.num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -206,7 +187,8 @@ class ModelRunner:
         # of generated tokens alone: workers/cpu/row_layout.py).
         request_ids.sort(key=lambda r: (sched.num_scheduled_tokens[r] != 1, self.requests[r].computes_prompt))
         states = [self.requests[r] for r in request_ids]
-        batch = self._plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids])
+        batch = plan_batch(states, [sched.num_scheduled_tokens[r] for r in request_ids], block_size=self.block_size,
+                           use_kernels=self.use_kernels, uses_mrope=self.uses_mrope)
         rows = [states[i] for i in batch.sample_rows]
         # The grammar masks of this step are filled on another thread while the model runs.
         masks = None
@@ -252,7 +234,7 @@ class ModelRunner:
                 output.logprobs[request_id] = lp
         return output
 
-    def _forward(self, batch: "PackedBatch", states: list[RunnerRequest]) -> torch.Tensor:
+    def _forward(self, batch: PackedBatch, states: list[RunnerRequest]) -> torch.Tensor:
         """Logits of the rows that sample, in batch.sample_rows order."""
         is_pure_decode = batch.num_decodes == len(batch.ends)
         if self.graphs is not None and is_pure_decode and len(batch.ends) <= self.graphs.max_batch_size:
@@ -276,54 +258,7 @@ class ModelRunner:
             return self.model(**inputs, position_ids=positions, use_cache=False,
                               logits_to_keep=logits_index).logits[0]
 
-    def _plan_batch(self, states: list[RunnerRequest], num_scheduled: list[int]) -> "PackedBatch":
-        """The step on the host: token ids, positions, slots, block table, sampled rows."""
-        bs = self.block_size
-        num_rows = len(states)
-        counts = np.asarray(num_scheduled, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_rows)
-        ends = starts + counts
-        query_offsets = np.cumsum(counts) - counts
-        total = int(counts.sum())
-
-        input_ids: list[int] = []
-        for state, start, end in zip(states, starts.tolist(), ends.tolist()):
-            input_ids.extend(state.token_ids[start:end])
-        if len(input_ids) != total:
-            raise RuntimeError(f"the runner holds {len(input_ids)} of the {total} tokens scheduled this step")
-        positions = np.repeat(starts - query_offsets, counts) + np.arange(total)
-        rope_positions = self._mrope(states, starts, ends, query_offsets, positions) if self.uses_mrope else None
-
-        max_blocks = max(len(s.block_ids) for s in states)
-        # int32 is what the kernels read; the torch path indexes with int64 and would convert.
-        table = np.zeros((num_rows, max_blocks), dtype=np.int32 if self.use_kernels else np.int64)
-        for row, state in enumerate(states):
-            table[row, :len(state.block_ids)] = state.block_ids
-        row_of_token = np.repeat(np.arange(num_rows), counts)
-        slot_mapping = table[row_of_token, positions // bs].astype(np.int64, copy=False) * bs + positions % bs
-
-        # Only requests whose step reaches their last known token produce a new token.
-        num_known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_rows)
-        sample_rows = np.nonzero(ends == num_known)[0]
-        # The leading single-token rows (all of them when the rows were put first).
-        not_single = np.nonzero(counts != 1)[0]
-        num_decodes = int(not_single[0]) if len(not_single) else num_rows
-        return PackedBatch(
-            input_ids=np.asarray(input_ids, dtype=np.int64),
-            positions=positions if rope_positions is None else rope_positions,
-            slot_mapping=slot_mapping,
-            block_tables=table,
-            counts=counts,
-            num_decodes=num_decodes,
-            leading_generated=_leading_generated_rows(states, counts),
-            sample_rows=sample_rows.tolist(),
-            logits_index=query_offsets[sample_rows] + counts[sample_rows] - 1,
-            starts=starts,
-            ends=ends,
-            query_offsets=query_offsets,
-        )
-
-    def _attention_metadata(self, batch: "PackedBatch", states: list[RunnerRequest]):
+    def _attention_metadata(self, batch: PackedBatch, states: list[RunnerRequest]):
         """The layers' view of the step, on the device, and the positions tensor."""
         if self.uses_mrope:
             positions = self.to_device("positions", batch.positions).unsqueeze(1)  # [3, 1, T]
@@ -345,7 +280,7 @@ class ModelRunner:
                 max_context_len=max_context_len), positions
         return self._torch_metadata(batch, slot_mapping, max_context_len), positions
 
-    def _torch_metadata(self, batch: "PackedBatch", slot_mapping: torch.Tensor,
+    def _torch_metadata(self, batch: PackedBatch, slot_mapping: torch.Tensor,
                         max_context_len: int) -> PagedAttentionMetadata:
         """The CPU path: decodes in groups of similar context lengths, each context gathered by
         slot (or, for the native decode attention, in one group reading the block tables in
@@ -373,24 +308,8 @@ class ModelRunner:
         return PagedAttentionMetadata(slot_mapping, decode_groups, prefill_spans, self.kv_caches, max_context_len,
                                       all_decodes_in_order=all_decodes_in_order)
 
-    def _mrope(self, states, starts, ends, query_offsets, positions: np.ndarray) -> np.ndarray:
-        """[3, T] positions: text tokens share one position on all three axes; an item's
-        tokens take their (t, h, w) grid positions; tokens after the prompt are shifted by
-        the request's delta."""
-        rope = np.broadcast_to(positions, (3, len(positions))).copy()
-        for state, start, end, q0 in zip(states, starts.tolist(), ends.tolist(), query_offsets.tolist()):
-            if state.mrope_positions is None:
-                continue
-            prompt_end = min(end, state.num_prompt_tokens)
-            if start < prompt_end:
-                rope[:, q0:q0 + prompt_end - start] = state.mrope_positions[:, start:prompt_end]
-            if end > state.num_prompt_tokens:
-                first = max(start, state.num_prompt_tokens)
-                rope[:, q0 + first - start:q0 + end - start] += state.mrope_delta
-        return rope
-
     def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
-                          batch: "PackedBatch") -> torch.Tensor:
+                          batch: PackedBatch) -> torch.Tensor:
         """Token embeddings, with each item's rows in this step replaced by its embeddings."""
         embeds = self.embed_tokens(input_ids)
         for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
@@ -439,39 +358,6 @@ class ModelRunner:
 def _reads_the_whole_row(params: SamplingParams) -> bool:
     """A bias, a penalty or returned log-probabilities can make any token's logit matter."""
     return bool(params.logit_bias) or params.uses_penalties or params.logprobs is not None
-
-
-@dataclass
-class PackedBatch:
-    """One step on the host (numpy); the device copies are made where they are used."""
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T], or [3, T] for M-RoPE
-    slot_mapping: np.ndarray  # [T]
-    block_tables: np.ndarray  # [R, max_blocks]: int32 for the kernels, int64 for the torch path
-    counts: np.ndarray  # [R] tokens scheduled per row
-    # The leading rows that hold one token each.
-    num_decodes: int
-    # How many leading rows hold one generated token each; None if no row computes a prompt
-    # token (workers/cpu/row_layout.py, StepRows).
-    leading_generated: int | None
-    sample_rows: list[int]
-    logits_index: np.ndarray  # [len(sample_rows)] the packed row whose logits each one samples
-    # Per row: first and end position computed this step, and where its tokens start in the
-    # batch (arrays: only multimodal steps turn them into lists).
-    starts: np.ndarray
-    ends: np.ndarray
-    query_offsets: np.ndarray
-
-
-def _leading_generated_rows(states: list[RunnerRequest], counts: np.ndarray) -> int | None:
-    """How many leading rows compute one generated token each (_execute puts them first); None
-    if no row computes a prompt token. (A row of several generated tokens, a preempted request
-    recomputed, is not counted: in a step with prompt tokens it goes their way.)"""
-    leading = 0
-    while leading < len(states) and counts[leading] == 1 and not states[leading].computes_prompt:
-        leading += 1
-    return leading if any(state.computes_prompt for state in states[leading:]) else None
 
 
 def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
