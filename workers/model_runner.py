@@ -5,9 +5,10 @@ deltas, so it can run in another process. All scheduled tokens of all requests g
 the model as one packed sequence; logits are computed only for rows that sample, by the
 model's own forward (logits_to_keep), so its final softcapping or logit scale applies.
 
-The step's layout is planned on the host from the runner's request states (batch_planning.py).
-With the Triton attention backend (CUDA) the single-token rows go first and the layers read
-block tables; a pure-decode step of a text model replays a CUDA graph (decode_graphs.py).
+The step's layout is planned on the host from the runner's request states (batch_planning.py)
+and turned into the attention layers' view of it (step_attention.py). With the Triton attention
+backend (CUDA) the single-token rows go first and the layers read block tables; a pure-decode
+step of a text model replays a CUDA graph (decode_graphs.py).
 
 For a multimodal model the runner holds the item embeddings the scheduler hands it, feeds
 the model input embeddings in which each item's placeholder rows are that item's embeddings
@@ -20,7 +21,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.grammars import GrammarCompiler
@@ -34,15 +34,11 @@ from workers.host_staging import HostToDevice
 from workers.cpu.lean_forward import lean_decoder_for
 from workers.cpu.row_layout import StepRows
 from workers.forward_context import forward_context
-from workers.paged_attention import BlockTableMetadata, DecodeGroup, PagedAttentionMetadata, PrefillSpan
 from workers.sampler import SamplingRow, sample
+from workers.step_attention import attention_metadata
 from workers.structured_decoding import StructuredDecoding
 
 logger = logging.getLogger("antiphon")
-
-# Decodes whose context is shorter than this fraction of a group's longest start a new
-# group: fewer padded keys to read, at the cost of one more attention call per layer.
-DECODE_GROUP_MIN_FILL = 0.5
 
 
 @dataclass(frozen=True)
@@ -244,7 +240,9 @@ class ModelRunner:
                 return logits
             # In a pure-decode step a row's logits index is the row itself.
             return logits[self.to_device("logits_index", batch.logits_index)]
-        attention, positions = self._attention_metadata(batch, states)
+        positions = self._positions(batch)
+        attention = attention_metadata(batch, self.kv_caches, self.block_size, self.to_device,
+                                       use_kernels=self.use_kernels, native_attention=self.native_attention)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
         with forward_context(attention, StepRows(len(batch.input_ids), batch.leading_generated, self.row_limits)):
@@ -258,55 +256,11 @@ class ModelRunner:
             return self.model(**inputs, position_ids=positions, use_cache=False,
                               logits_to_keep=logits_index).logits[0]
 
-    def _attention_metadata(self, batch: PackedBatch, states: list[RunnerRequest]):
-        """The layers' view of the step, on the device, and the positions tensor."""
+    def _positions(self, batch: PackedBatch) -> torch.Tensor:
+        """The step's positions on the device, shaped as the model takes them."""
         if self.uses_mrope:
-            positions = self.to_device("positions", batch.positions).unsqueeze(1)  # [3, 1, T]
-        else:
-            positions = self.to_device("positions", batch.positions).unsqueeze(0)
-        slot_mapping = self.to_device("slot_mapping", batch.slot_mapping)
-        max_context_len = int(batch.ends.max())
-        if self.use_kernels:
-            d = batch.num_decodes
-            chunk_lens = batch.counts[d:]
-            return BlockTableMetadata(
-                slot_mapping=slot_mapping, kv_caches=self.kv_caches,
-                block_tables=self.to_device("block_tables", batch.block_tables),
-                context_lens=self.to_device("context_lens", batch.ends.astype(np.int32)),
-                block_size=self.block_size, num_decodes=d,
-                prefill_query_start_loc=(self.to_device("query_start_loc", np.concatenate(
-                    ([0], np.cumsum(chunk_lens))).astype(np.int32)) if len(chunk_lens) else None),
-                max_prefill_query_len=int(chunk_lens.max()) if len(chunk_lens) else 0,
-                max_context_len=max_context_len), positions
-        return self._torch_metadata(batch, slot_mapping, max_context_len), positions
-
-    def _torch_metadata(self, batch: PackedBatch, slot_mapping: torch.Tensor,
-                        max_context_len: int) -> PagedAttentionMetadata:
-        """The CPU path: decodes in groups of similar context lengths, each context gathered by
-        slot (or, for the native decode attention, in one group reading the block tables in
-        place), prefill chunks one span each."""
-        bs, table, counts, ends = self.block_size, batch.block_tables, batch.counts, batch.ends
-        num_rows = len(counts)
-        decode_rows = np.nonzero(counts == 1)[0]
-        # The native kernel reads each row's own length, so rows of any lengths share a group.
-        one_group = self.native_attention and len(decode_rows) > 0
-        row_groups = [decode_rows] if one_group else _group_by_length(decode_rows, ends)
-        all_decodes_in_order = len(row_groups) == 1 and len(decode_rows) == num_rows
-        if all_decodes_in_order:
-            row_groups = [decode_rows]  # batch order: the attention output needs no scatter
-        decode_groups = [self._decode_group(table, ends, batch.query_offsets, rows) for rows in row_groups]
-        prefill_spans = []
-        for row in np.nonzero(counts > 1)[0].tolist():
-            start, end, q0 = int(batch.starts[row]), int(ends[row]), int(batch.query_offsets[row])
-            span = PrefillSpan(q0, q0 + end - start)
-            if start > 0:
-                ctx = np.arange(end)
-                span.context_slots = torch.from_numpy(table[row, ctx // bs] * bs + ctx % bs).to(self.device)
-                span.causal_mask = (torch.arange(end).unsqueeze(0)
-                                    <= torch.arange(start, end).unsqueeze(1)).to(self.device)
-            prefill_spans.append(span)
-        return PagedAttentionMetadata(slot_mapping, decode_groups, prefill_spans, self.kv_caches, max_context_len,
-                                      all_decodes_in_order=all_decodes_in_order)
+            return self.to_device("positions", batch.positions).unsqueeze(1)  # [3, 1, T]
+        return self.to_device("positions", batch.positions).unsqueeze(0)
 
     def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
                           batch: PackedBatch) -> torch.Tensor:
@@ -325,52 +279,7 @@ class ModelRunner:
                 embeds[0, q0 + lo - start:q0 + hi - start] = source[lo - item.offset:hi - item.offset]
         return embeds
 
-    def _decode_group(self, table: np.ndarray, ends: np.ndarray, query_offsets: np.ndarray,
-                      rows: np.ndarray) -> DecodeGroup:
-        bs = self.block_size
-        lengths = ends[rows]
-        if self.native_attention:
-            # Its block tables as they are (their padding past a row's length is never read).
-            return DecodeGroup(query_index=torch.from_numpy(query_offsets[rows]),
-                               block_tables=torch.from_numpy(table[rows]), block_size=bs,
-                               context_lens=torch.from_numpy(lengths.astype(np.int64)))
-        ctx = np.arange(int(lengths.max()))
-        slots = table[rows][:, ctx // bs] * bs + ctx % bs
-        # Rows of one length (one stream, say) pad nothing: no mask, which SDPA runs faster
-        # (44 vs 61 us per layer for one row of 300 tokens here) with bitwise the same output.
-        mask = None
-        if lengths.min() != lengths.max():
-            mask = torch.from_numpy(ctx[None, :] < lengths[:, None])[:, None, None, :].to(self.device)
-        # One row on consecutive blocks (a stream whose blocks came off the free list in
-        # order) is read from the cache in place: no gather, ~30 us less per layer here.
-        context_start = None
-        num_blocks = -(-len(ctx) // bs)
-        if len(rows) == 1 and (np.diff(table[rows[0], :num_blocks]) == 1).all():
-            context_start = int(slots[0, 0])
-        return DecodeGroup(
-            query_index=torch.from_numpy(query_offsets[rows]).to(self.device),
-            context_slots=torch.from_numpy(slots).to(self.device),
-            context_mask=mask,
-            context_start=context_start,
-        )
-
 
 def _reads_the_whole_row(params: SamplingParams) -> bool:
     """A bias, a penalty or returned log-probabilities can make any token's logit matter."""
     return bool(params.logit_bias) or params.uses_penalties or params.logprobs is not None
-
-
-def _group_by_length(rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    if len(rows) == 0:
-        return []
-    ordered = rows[np.argsort(-lengths[rows], kind="stable")]
-    groups, current, longest = [], [], 0
-    for row in ordered.tolist():
-        if current and lengths[row] < DECODE_GROUP_MIN_FILL * longest:
-            groups.append(np.asarray(current))
-            current = []
-        if not current:
-            longest = lengths[row]
-        current.append(row)
-    groups.append(np.asarray(current))
-    return groups
