@@ -85,7 +85,7 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
 def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict[str, tuple[float, str]]:
     """mode -> (perplexity, the KV cache's dtype when served)."""
     from workers.cpu.row_layout import KernelRowLimits, StepRows
-    from workers.forward_context import forward_context
+    from workers.forward_context import set_forward_context
     from workers.kv_cache_dtype import name
 
     results = {}
@@ -96,7 +96,7 @@ def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict
         # scoring whole windows as generated rows on the 4-bit kernel instead measures what
         # decoding one stream uses.
         on_the_kernel = StepRows(limits=KernelRowLimits(torch_int4=window, native_int4=window))
-        with forward_context(rows=on_the_kernel):
+        with set_forward_context(rows=on_the_kernel):
             results[mode] = perplexity(model, token_ids, window), name(kv_dtype)
         del model
     return results

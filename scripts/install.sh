@@ -16,7 +16,7 @@ if ! command -v espeak-ng >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq espeak-ng >/dev/null
 fi
 
-# The C++ decode step for CPUs (workers/native_decode.py) is compiled on first use with g++.
+# The C++ decode step for CPUs (workers/cpu/native_library.py) is compiled on first use with g++.
 if ! command -v g++ >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq

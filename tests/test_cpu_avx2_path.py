@@ -10,7 +10,7 @@ import torch
 from tests.test_cpu_int4 import linear_on_grid, native_reference
 from workers.cpu import int4, linear_modes, native_library, row_layout
 from workers.cpu.row_layout import KernelRowLimits, StepRows
-from workers.forward_context import forward_context
+from workers.forward_context import set_forward_context
 from workers.cpu.int4 import Int4Linear, quantize_int4
 from workers.cpu.linear_modes import prepare_linear_layers
 from workers.cpu.packed_linear import PackedLinear
@@ -103,7 +103,7 @@ def test_without_a_bfloat16_product_auto_keeps_quantized_layers_with_a_float32_c
     assert not isinstance(model[1], Int4Linear) and counts["int4"] == 1
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     # Prompt rows (none of them generated): the float32 copy, the layer's own weights.
-    with forward_context(rows=StepRows(tokens=5, generated=0)):
+    with set_forward_context(rows=StepRows(tokens=5, generated=0)):
         prompt = model[0](x)
     torch.testing.assert_close(prompt, on_grid(x), rtol=1e-5, atol=1e-5)
     # Generated rows: the kernel's 8-bit input.

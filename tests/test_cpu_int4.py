@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from workers import model_runner
 from workers.cpu import int4, linear_modes, output_layer, native_library
 from workers.cpu.row_layout import KERNEL_ROW_LIMITS, KernelRowLimits, StepRows
-from workers.forward_context import current, forward_context
+from workers.forward_context import get_forward_context, set_forward_context
 from workers.cpu.int4 import GROUP_SIZE, Int4Linear, on_int4_grid, quantize_int4
 from workers.cpu.linear_modes import prepare_linear_layers
 from workers.cpu.output_layer import EXACT_CANDIDATES, RescoredOutputLayer
@@ -235,7 +235,7 @@ def test_the_4bit_kernel_and_the_bfloat16_copy_agree_on_the_same_rows(monkeypatc
     layer = Int4Linear(linear, quantize_int4(linear.weight))
     x = torch.randn(2, 256)
     four_bit = layer(x)
-    with forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=0, native_int4=0))):
+    with set_forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=0, native_int4=0))):
         on_the_copy = layer(x)
     # The native kernel's 8-bit input (a step of max|x| / 127 per group of 32) rounds more than
     # bfloat16's: ~0.005 per output here (std), against ~0.001.
@@ -504,7 +504,7 @@ def test_auto_mode_keeps_the_default_models_perplexity_within_its_bound(int4_ker
             layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
             assert len(layers) == 210 and all(layer.int4.native == int4_kernel for layer in layers)
         ids = tokenizer(perplexity.TEXT.read_text())["input_ids"]
-        with forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=512, native_int4=512))):
+        with set_forward_context(rows=StepRows(limits=KernelRowLimits(torch_int4=512, native_int4=512))):
             scores[mode] = perplexity.perplexity(model, ids, 512)
     assert 20 < scores["none"] < 40
     assert scores["auto"] / scores["none"] <= AUTO_PERPLEXITY_BOUND, scores
@@ -533,32 +533,32 @@ def test_prompt_tokens_take_the_bfloat16_copy_at_every_row_count_and_generated_o
     torch.manual_seed(3)
     x = torch.randn(1, 3, 128)
     outside = layer(x)
-    with forward_context(rows=StepRows(3, 0)):
-        assert int4.kernel_rows(3, int4_kernel) == 0 and current().rows.computes_prompt
+    with set_forward_context(rows=StepRows(3, 0)):
+        assert int4.kernel_rows(3, int4_kernel) == 0 and get_forward_context().rows.computes_prompt
         inside = layer(x)
-        with forward_context(rows=StepRows(3)):
+        with set_forward_context(rows=StepRows(3)):
             assert int4.kernel_rows(3, int4_kernel) == 3
-        assert current().rows.computes_prompt
+        assert get_forward_context().rows.computes_prompt
         # Per thread: another thread's forward is not in this step.
         seen = []
-        worker = threading.Thread(target=lambda: seen.append(current().rows.computes_prompt))
+        worker = threading.Thread(target=lambda: seen.append(get_forward_context().rows.computes_prompt))
         worker.start()
         worker.join()
         assert seen == [False]
-    assert not current().rows.computes_prompt
+    assert not get_forward_context().rows.computes_prompt
     assert torch.equal(inside, layer.batched(x) + linear.bias)
     assert torch.equal(layer(x), outside)
     if int4_kernel:  # 8-bit inputs there, bfloat16 ones in a prompt step
         assert not torch.equal(inside, outside)
     # Two generated tokens' rows, then a prompt token's: each row as in a step of its kind.
-    with forward_context(rows=StepRows(3, 2)):
+    with set_forward_context(rows=StepRows(3, 2)):
         split = layer(x)
         # A product of other rows than the step's tokens (an output layer's) takes the copy.
         assert torch.equal(layer(x[:, :2]), layer.batched(x[:, :2]) + linear.bias)
     assert torch.equal(split[:, :2], layer(x[:, :2])) and torch.equal(split[:, 2:], inside[:, 2:])
     # More generated rows than the kernel takes: the copy takes them all.
     limit = KERNEL_ROW_LIMITS.of(int4.kind_of(int4_kernel))
-    with forward_context(rows=StepRows(limit + 2, limit + 1)):
+    with set_forward_context(rows=StepRows(limit + 2, limit + 1)):
         assert int4.kernel_rows(limit + 2, int4_kernel) == 0
 
 

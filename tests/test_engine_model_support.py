@@ -83,12 +83,14 @@ def test_attention_refuses_features_the_loader_missed(kwargs, feature):
     assert out.shape == (1, tokens, heads, dim)
 
 
-def test_step_metadata_is_per_thread():
+def test_the_forward_context_is_per_thread():
     """Two engines in one process, each stepping in its own thread (asynchronous scheduling),
-    must not see each other's step metadata."""
+    must not see each other's step metadata or row layout."""
     import threading
 
-    from workers.paged_attention import attend, step_metadata
+    from workers.cpu.row_layout import StepRows
+    from workers.forward_context import get_forward_context, set_forward_context
+    from workers.paged_attention import attend
 
     heads, dim = 2, 4
     seen = {}
@@ -97,14 +99,14 @@ def test_step_metadata_is_per_thread():
     def run(tokens: int) -> None:
         cache = torch.zeros(32, heads, dim)
         meta = PagedAttentionMetadata(torch.arange(tokens), [], [], [(cache, cache.clone())], max_context_len=tokens)
-        with step_metadata(meta):
+        with set_forward_context(meta, StepRows(tokens, 1)):
             barrier.wait()  # both threads inside their blocks at once
             q = torch.randn(tokens, heads, dim)
-            seen[tokens] = attend(None, 0, q, q, q, 0.5, None).shape[0]
+            seen[tokens] = (attend(None, 0, q, q, q, 0.5, None).shape[0], get_forward_context().rows.tokens)
 
     threads = [threading.Thread(target=run, args=(n,)) for n in (3, 5)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert seen == {3: 3, 5: 5}
+    assert seen == {3: (3, 3), 5: (5, 5)}

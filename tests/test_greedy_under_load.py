@@ -16,7 +16,7 @@ from workers import model_runner
 from workers.batch_planning import RunnerRequest, leading_generated_rows
 from workers.cpu import native_library
 from workers.cpu.row_layout import StepRows
-from workers.forward_context import current, forward_context
+from workers.forward_context import get_forward_context, set_forward_context
 from workers.cpu.float32_linear import Float32Linear, rows_for_onednn
 from workers.cpu.int4 import Int4Linear
 
@@ -77,12 +77,12 @@ def test_the_runner_marks_where_a_steps_prompt_tokens_begin(tiny_llama, monkeypa
     llm = LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, block_size=16)
     core = llm.engine.core
     marks = []
-    step = model_runner.forward_context
+    step = model_runner.set_forward_context
 
     def recording(attention, rows):
         marks.append((rows.generated, rows.tokens))
         return step(attention, rows)
-    monkeypatch.setattr(model_runner, "forward_context", recording)
+    monkeypatch.setattr(model_runner, "set_forward_context", recording)
     schedule = core.scheduler.schedule
 
     def reversed_schedule():
@@ -128,8 +128,8 @@ def test_the_float32_product_computes_a_long_steps_generated_rows_in_a_call_of_t
     rows = rows_for_onednn() + 4
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
     whole = layer(x)  # one call: oneDNN's
-    with forward_context(rows=StepRows(rows, 2)):
+    with set_forward_context(rows=StepRows(rows, 2)):
         split = layer(x)
-        assert current().rows.generated_rows(rows - 1) == 0  # not the step's rows: all the prompt's way
+        assert get_forward_context().rows.generated_rows(rows - 1) == 0  # not the step's rows: all the prompt's way
     assert torch.equal(split[:2], layer(x[:2])) and torch.equal(split[2:], whole[2:])
     assert not torch.equal(split[:2], whole[:2])  # the two kernels round apart, so the test can tell

@@ -45,7 +45,7 @@ class CountingStack:
 
 def row_parts(stack, lengths: torch.Tensor) -> list[int]:
     """The stack's parts for a decode step of these context lengths, every row a generated token."""
-    return stack.row_parts(lengths, StepRows(len(lengths)).kernel_rows_by_kind())
+    return stack.row_parts(lengths, StepRows().kernel_rows_by_kind(len(lengths)))
 
 
 @pytest.fixture
@@ -284,7 +284,26 @@ def test_a_bad_context_length_fails_a_split_step_before_any_cache_write(tmp_path
     with torch.inference_mode(), pytest.raises(RuntimeError, match="context length 0"):
         stack.forward(torch.randn(16, 128), torch.ones(1, 1, 16, 64), torch.zeros(1, 1, 16, 64),
                       torch.arange(16), None, None, -1, torch.zeros(16, 1, dtype=torch.int64), lengths,
-                      runner.block_size, StepRows(16).kernel_rows_by_kind())
+                      runner.block_size, StepRows().kernel_rows_by_kind(16))
+    assert all(torch.equal(cache, saved) for cache, saved in zip(caches, before))
+
+
+def test_the_stack_takes_a_decode_steps_4bit_rows_on_the_kernel_all_or_none(tmp_path, native_stack):
+    """The stack gets the step's row layout as data (row_layout.StepRows): a layout that would
+    put some of a decode step's rows on the kernel and others on the copy, or that has a wrong
+    number of entries, is refused before any cache write."""
+    llm, stack = small_stack(tmp_path, "int4")
+    runner = llm.engine.core.executor.runner
+    caches = [cache for pair in runner.kv_caches for cache in pair]
+    before = [cache.clone() for cache in caches]
+    step = (torch.randn(4, 128), torch.ones(1, 1, 4, 64), torch.zeros(1, 1, 4, 64), torch.arange(4), None, None, -1,
+            torch.zeros(4, 1, dtype=torch.int64), torch.full((4,), 3), runner.block_size)
+    layout = StepRows().kernel_rows_by_kind(4)
+    layout[ProductKind.NATIVE_INT4] = layout[ProductKind.TORCH_INT4] = 2
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="all or none"):
+        stack.forward(*step, layout)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="one entry per product kind"):
+        stack.forward(*step, layout[:-1])
     assert all(torch.equal(cache, saved) for cache, saved in zip(caches, before))
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from workers.host_staging import HostToDevice
-from workers.forward_context import forward_context
+from workers.forward_context import set_forward_context
 from workers.paged_attention import BlockTableMetadata
 
 logger = logging.getLogger("antiphon")
@@ -137,5 +137,5 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size], block_size=self.block_size, num_decodes=size,
             prefill_query_start_loc=None, max_prefill_query_len=0,
             max_context_len=self.max_model_len)
-        with forward_context(meta):
+        with set_forward_context(meta):
             return self.forward(self.input_ids[:size].unsqueeze(0), self.positions[:size].unsqueeze(0))

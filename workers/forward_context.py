@@ -31,16 +31,17 @@ _OUTSIDE_A_STEP = ForwardContext()
 _local = threading.local()
 
 
-def current() -> ForwardContext:
+def get_forward_context() -> ForwardContext:
     """The context of the forward running in this thread (an empty one outside any)."""
     return getattr(_local, "context", _OUTSIDE_A_STEP)
 
 
 @contextlib.contextmanager
-def forward_context(attention: Any = None, rows: StepRows | None = None):
+def set_forward_context(attention: Any = None, rows: StepRows | None = None):
     """Run the forward passes inside this block with this step's attention metadata and row
-    layout (a step of generated tokens by default)."""
-    previous = current()
+    layout. Both are the step's whole context: what is not given is the default (no attention
+    metadata; every row a generated token), not the enclosing block's."""
+    previous = get_forward_context()
     _local.context = ForwardContext(attention, StepRows() if rows is None else rows)
     try:
         yield

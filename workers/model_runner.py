@@ -33,7 +33,7 @@ from workers.decode_graphs import DecodeGraphs
 from workers.host_staging import HostToDevice
 from workers.cpu.lean_forward import lean_decoder_for
 from workers.cpu.row_layout import StepRows
-from workers.forward_context import forward_context
+from workers.forward_context import set_forward_context
 from workers.sampler import SamplingRow, sample
 from workers.step_attention import attention_metadata
 from workers.structured_decoding import StructuredDecoding
@@ -245,7 +245,7 @@ class ModelRunner:
                                        use_kernels=self.use_kernels, native_attention=self.native_attention)
         input_ids = self.to_device("input_ids", batch.input_ids)
         logits_index = self.to_device("logits_index", batch.logits_index)
-        with forward_context(attention, StepRows(len(batch.input_ids), batch.leading_generated, self.row_limits)):
+        with set_forward_context(attention, StepRows(len(batch.input_ids), batch.leading_generated, self.row_limits)):
             if self.lean is not None:
                 return self.lean.forward(input_ids, positions, logits_index, attention)
             input_ids = input_ids.unsqueeze(0)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.config import ATTENTION_BACKENDS
-from workers import forward_context
+from workers.forward_context import get_forward_context
 from workers.cpu import native_attention
 
 ATTENTION_NAME = "antiphon_paged"
@@ -141,7 +141,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def attend(meta: PagedAttentionMetadata | BlockTableMetadata | None, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scaling: float, sliding_window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] of the packed step -> [T, Hq, D]."""
-    meta = meta if meta is not None else forward_context.current().attention
+    meta = meta if meta is not None else get_forward_context().attention
     if meta is None:
         raise RuntimeError("antiphon_paged attention needs the step's metadata (workers.forward_context)")
     # A window no shorter than every context in the step masks nothing: it computes the same.

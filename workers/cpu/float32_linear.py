@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from workers import forward_context
+from workers.forward_context import get_forward_context
 from workers.cpu.row_layout import split_rows
 
 # The kernel's tile: 8 outputs, inputs in chunks of 16 (float32_product.cpp's layout).
@@ -47,7 +47,7 @@ def float32_product(kernel, x: torch.Tensor, tiled: torch.Tensor) -> torch.Tenso
     rows = x.shape[0]
     if rows < rows_for_onednn():  # every row on the native product, whatever its batch
         return kernel(x, tiled)
-    return split_rows(rows, forward_context.current().rows.generated_rows(rows), lambda part: kernel(x[part], tiled), lambda: kernel(x, tiled))
+    return split_rows(rows, get_forward_context().rows.generated_rows(rows), lambda part: kernel(x[part], tiled), lambda: kernel(x, tiled))
 
 
 def can_tile(linear: torch.nn.Linear) -> bool:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.cpu.packed_linear import PackedLinear, can_pack_bf16
-from workers import forward_context
+from workers.forward_context import get_forward_context
 from workers.cpu.product_kinds import ProductKind
 from workers.cpu.row_layout import KERNEL_ROW_LIMITS, split_rows
 
@@ -58,10 +58,13 @@ MAX_CODE = 15
 # server's load.
 
 
+_NATIVE_INT4, _TORCH_INT4 = int(ProductKind.NATIVE_INT4), int(ProductKind.TORCH_INT4)
+
+
 def kernel_rows(rows: int, native: bool) -> int:
     """How many of a product's leading `rows` a 4-bit kernel computes in the running step
     (its row layout: workers/forward_context.py); the rest take the copy."""
-    return forward_context.current().rows.kernel_rows(rows, kind_of(native))
+    return get_forward_context().rows.kernel_rows(rows, _NATIVE_INT4 if native else _TORCH_INT4)
 
 
 def kind_of(native: bool) -> ProductKind:
@@ -183,7 +186,7 @@ class Int4Product:
     def kernel_max_rows(self) -> int:
         """The most rows this kernel takes in any step: for the output layer's candidate picker,
         whose picks are rescored in float32 (output_layer.py), so prompt steps keep it."""
-        return KERNEL_ROW_LIMITS.of(kind_of(self.native))
+        return KERNEL_ROW_LIMITS.of(_NATIVE_INT4 if self.native else _TORCH_INT4)
 
     @staticmethod
     def concatenate(products: list["Int4Product"]) -> "Int4Product":
@@ -263,6 +266,9 @@ class Int4Linear(torch.nn.Module):
         # bfloat16 where oneDNN computes it; on CPUs where it cannot (AVX2 without AVX-512), a
         # float32 copy: more memory, but those rows are then computed exactly on its weights.
         self.batched = PackedLinear(dense, torch.bfloat16 if can_pack_bf16() else torch.float32)
+        # Plain attributes for rows_product (a submodule is read through nn.Module.__getattr__).
+        self._copy = self.batched.rows_product
+        self._kind = _NATIVE_INT4 if self.int4.native else _TORCH_INT4
         # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
         self.weight = self.batched.weight
 
@@ -275,14 +281,13 @@ class Int4Linear(torch.nn.Module):
         rounded to bfloat16 by a caller whose other products share that copy (lean_forward.py).
         Kept to the fewest torch calls: this runs ~200 times per decoded token."""
         count = rows.shape[0]
-        on_kernel = kernel_rows(count, self.int4.native)
+        on_kernel = get_forward_context().rows.kernel_rows(count, self._kind)
         if on_kernel == count:
             out = self.int4(rows, rounded)
-        else:
-            copy_rounded = rounded if self.batched.dtype == torch.bfloat16 else None
+        else:  # (a float32 copy ignores `rounded`)
             out = split_rows(count, on_kernel,
                              lambda part: self.int4(rows[part], None if rounded is None else rounded[part]),
-                             lambda: self.batched.rows_product(rows, copy_rounded))
+                             lambda: self._copy(rows, rounded))
         if self.bias is not None:
             out += self.bias
         return out

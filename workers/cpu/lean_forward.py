@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from workers import forward_context
+from workers.forward_context import get_forward_context
 from workers.cpu import decode_stack, int4, native_library
 from workers.cpu.float32_linear import Float32Linear
 from workers.cpu.int4 import Int4Linear, Int4Product
@@ -53,6 +53,8 @@ LEAN_MODELS = {
     "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"),
     "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP"),
 }
+
+_NATIVE_INT4 = int(ProductKind.NATIVE_INT4)
 
 # x float32 and its bfloat16 copy (None where no product of the group takes one) -> float32.
 Product = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -104,13 +106,13 @@ class LeanDecoder:
             self._use_native()
         # (A prompt's last token alone is a one-row step too: it takes the Python forward, whose
         # 4-bit layers take their bfloat16 copy in a prompt step; the stack's take 4 bits.)
-        rows = forward_context.current().rows
+        rows = get_forward_context().rows
         if self.native is not None and _one_decode_group(attention) and not rows.computes_prompt:
             group = attention.decode_groups[0]
             start = -1 if group.context_start is None else group.context_start
             x = self.native.forward(x, cos, sin, attention.slot_mapping, group.context_slots, group.context_mask,
                                     start, group.block_tables, group.context_lens, group.block_size,
-                                    rows.kernel_rows_by_kind())
+                                    rows.kernel_rows_by_kind(x.shape[0]))
         else:
             for layer in self.layers:
                 x = layer.forward(x, cos, sin, attention)
@@ -207,6 +209,7 @@ class _ProductGroup:
 
     def __init__(self, linears: list[torch.nn.Module]) -> None:
         self.fused = _fuse_int4(linears) if len(linears) > 1 else None
+        self.fused_kind = None if self.fused is None else int(int4.kind_of(self.fused[0].native))
         self.native_parts = [_native_product(linear) for linear in linears]
         self.parts = [_product(linear, description) for linear, description in zip(linears, self.native_parts)]
         kinds = {description[0] for description in self.native_parts if description is not None}
@@ -222,10 +225,11 @@ class _ProductGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.shape[0]
-        rounds = self.rounds_always or (self.rounds_above and int4.kernel_rows(rows, native=True) < rows)
+        step = get_forward_context().rows
+        rounds = self.rounds_always or (self.rounds_above and step.kernel_rows(rows, _NATIVE_INT4) < rows)
         rounded = x.to(torch.bfloat16) if rounds else None
         # (A step whose rows split between the kernel and the copy calls the parts, each split.)
-        if self.fused is not None and int4.kernel_rows(rows, self.fused[0].native) == rows:
+        if self.fused is not None and step.kernel_rows(rows, self.fused_kind) == rows:
             product, bias, sizes = self.fused
             out = product(x, rounded)
             return (out if bias is None else out + bias).split(sizes, dim=1)

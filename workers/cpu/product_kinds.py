@@ -12,11 +12,21 @@ DEFINITION = Path(__file__).resolve().parent / "csrc" / "product_kinds.def"
 
 
 def _kinds() -> list[tuple[str, int, bool]]:
-    found = re.findall(r"^PRODUCT_KIND\((\w+), (\d+), (true|false)\)$", DEFINITION.read_text(), flags=re.M)
-    if not found:
-        raise RuntimeError(f"no PRODUCT_KIND lines in {DEFINITION}")
-    return [(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper(), int(value), four_bit == "true")
-            for name, value, four_bit in found]
+    """(NAME, value, is 4-bit) per kind. Every line must be a comment, blank or one kind, and the
+    values 0, 1, 2, ... in order: the C++ stack indexes a step's per-kind rows by value (and
+    checks the same order at compile time)."""
+    kinds = []
+    for number, line in enumerate(DEFINITION.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("//"):
+            continue
+        match = re.fullmatch(r"PRODUCT_KIND\((\w+), (\d+), (true|false)\)", line.strip())
+        if match is None:
+            raise RuntimeError(f"{DEFINITION}:{number}: not a PRODUCT_KIND(Name, value, true|false) line: {line!r}")
+        name, value, four_bit = match.groups()
+        kinds.append((re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper(), int(value), four_bit == "true"))
+    if [value for _, value, _ in kinds] != list(range(len(kinds))) or not kinds:
+        raise RuntimeError(f"{DEFINITION}: kinds must be numbered 0, 1, 2, ... in order")
+    return kinds
 
 
 _KINDS = _kinds()

@@ -31,24 +31,33 @@ from workers.cpu.product_kinds import ProductKind
 class KernelRowLimits:
     """The most rows each 4-bit kernel takes in a step; more rows take the layer's copy.
 
-    Torch's kernel costs more arithmetic per row than oneDNN's bfloat16 product, so it wins only
-    while reading the weights dominates: 3.2x at 1 row, 1.25x at 8, 0.85x at 16 on the default
-    model's layers (benchmarks/int4_kernels.py). The native kernel is faster at every row count
-    that benchmark measures up to 512, on AVX-512 VNNI and AVX2 alike, and computes a row the same
-    in any step up to there, so a decode row's greedy token does not depend on how many streams
-    share its step. These are ratios of per-row costs on any one CPU, not of one CPU's speed:
-    the same on every thread count, as each thread runs its share of rows through the same
-    kernel. (AMX's bfloat16 tiles might outrun the native kernel at many rows; unmeasured, so
-    AMX takes this rule until benchmarks/int4_kernels.py on such a CPU says otherwise.)
+    Torch's kernel costs more arithmetic per row than oneDNN's bfloat16 product, so it pays only
+    while reading the weights dominates: 3.2x the copy at 1 row, 1.25x at 8, 0.85x at 16 on the
+    default model's layers on an AVX-512 VNNI machine (benchmarks/int4_kernels.py). The native
+    kernel's limit is set by what it guarantees, not by its speed: up to 512 rows it computes a
+    row the same in any step, so a decode row's greedy token does not depend on how many
+    streams share its step. It is also faster than the copy up to there on an AVX-512 VNNI
+    machine; on an AVX2 one, against the float32 copy such CPUs keep, it is faster up to ~128
+    rows and slower from ~256 (0.64x at 256, 0.79x at 512 on the 2-core EPYC), a price paid only
+    by steps of that many streams. AMX's bfloat16 tiles might outrun the native kernel at many
+    rows; unmeasured, so AMX takes this rule until benchmarks/int4_kernels.py on such a CPU
+    says otherwise.
     """
 
     torch_int4: int = 8
     native_int4: int = 512
 
-    def of(self, kind: ProductKind) -> int:
-        return self.native_int4 if kind == ProductKind.NATIVE_INT4 else self.torch_int4
+    def __post_init__(self) -> None:
+        # Per kind, indexed by its value: read ~200 times a step, so no enum lookups then.
+        limits = [0] * len(ProductKind)
+        limits[ProductKind.TORCH_INT4], limits[ProductKind.NATIVE_INT4] = self.torch_int4, self.native_int4
+        object.__setattr__(self, "by_kind", tuple(limits))
+
+    def of(self, kind: int) -> int:
+        return self.by_kind[kind]
 
 
+# The engine's limits: what a step carries unless its runner was given others (tests, benchmarks).
 KERNEL_ROW_LIMITS = KernelRowLimits()
 
 
@@ -75,16 +84,18 @@ class StepRows:
             return rows
         return self.generated if rows == self.tokens else 0
 
-    def kernel_rows(self, rows: int, kind: ProductKind) -> int:
-        """How many of a 4-bit product's leading `rows` its kernel computes: the generated
-        tokens', if the kernel takes that many; the rest take the layer's copy."""
-        generated = self.generated_rows(rows)
-        return generated if generated <= self.limits.of(kind) else 0
+    def kernel_rows(self, rows: int, kind: int) -> int:
+        """How many of a 4-bit product's leading `rows` its kernel (`kind`, a ProductKind)
+        computes: the generated tokens', if the kernel takes that many; the rest take the
+        layer's copy."""
+        generated = rows if self.generated is None else (self.generated if rows == self.tokens else 0)
+        return generated if generated <= self.limits.by_kind[kind] else 0
 
-    def kernel_rows_by_kind(self) -> list[int]:
-        """For the C++ stack (csrc/decode_stack.cpp): per product kind (its value as index), how
-        many of the step's leading rows take the kind's fast kernel."""
-        return [self.kernel_rows(self.tokens, kind) if kind.is_int4 else self.tokens for kind in ProductKind]
+    def kernel_rows_by_kind(self, rows: int) -> list[int]:
+        """For the C++ stack (csrc/decode_stack.cpp), over a product of `rows` rows: per product
+        kind (its value as index), how many leading rows take the kind's 4-bit kernel. Entries of
+        kinds that are not 4-bit are unused (their kernels have no copy to hand rows to)."""
+        return [self.kernel_rows(rows, kind) if kind.is_int4 else rows for kind in ProductKind]
 
 
 def split_rows(rows: int, leading: int, leading_way: Callable[[slice], torch.Tensor],

@@ -57,12 +57,21 @@ enum ProductKind : int64_t {
 #undef PRODUCT_KIND
 };
 
-// How many kinds there are: the row layout a step hands in has one entry per kind.
-constexpr int64_t kProductKinds = 0
-#define PRODUCT_KIND(name, value, four_bit) +1
+// The kinds' values in file order: a step's row layout has one entry per kind, indexed by value,
+// so the values must be 0, 1, 2, ... in order (product_kinds.py checks the same).
+constexpr int64_t kProductKindValues[] = {
+#define PRODUCT_KIND(name, value, four_bit) value,
 #include "product_kinds.def"
 #undef PRODUCT_KIND
-    ;
+};
+constexpr int64_t kProductKinds = sizeof(kProductKindValues) / sizeof(kProductKindValues[0]);
+constexpr bool kinds_numbered_in_order() {
+  for (int64_t i = 0; i < kProductKinds; ++i) {
+    if (kProductKindValues[i] != i) return false;
+  }
+  return true;
+}
+static_assert(kinds_numbered_in_order(), "product_kinds.def: kinds must be numbered 0, 1, 2, ... in order");
 
 bool is_int4(int64_t kind) {
 #define PRODUCT_KIND(name, value, four_bit) \
@@ -293,7 +302,9 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // x [T, hidden] (the token embeddings); cos, sin [1, 1, T, head_dim]; slot_mapping [T];
   // kernel_rows: the step's row layout (workers/cpu/row_layout.py, StepRows.kernel_rows_by_kind):
-  // per product kind, how many leading rows take its fast kernel (the rest its copy).
+  // per product kind, how many rows take its 4-bit kernel, all of them or none (the rest take its
+  // copy; the stack computes decode steps, whose rows are all generated tokens); the entries of
+  // kinds that are not 4-bit are unused.
   // Then the rows' contexts, for one of two attentions:
   //  - SDPA: context_slots [T, L]; context_mask [T, 1, 1, L] or None; context_start: for one
   //    row whose context fills slots [start, start + L) of the cache, start (read in place,
@@ -320,8 +331,10 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t tokens = x.size(0);
     TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens, "slot_mapping must be [tokens]");
     TORCH_CHECK(static_cast<int64_t>(kernel_rows.size()) == kProductKinds, "kernel_rows needs one entry per product kind");
-    for (const int64_t rows : kernel_rows) {
-      TORCH_CHECK(rows >= 0 && rows <= tokens, "kernel_rows must lie in 0..tokens, got ", rows);
+    for (int64_t kind = 0; kind < kProductKinds; ++kind) {
+      TORCH_CHECK(!is_int4(kind) || kernel_rows[kind] == 0 || kernel_rows[kind] == tokens,
+                  "a decode step's 4-bit rows take the kernel all or none; kind ", kind, " has ", kernel_rows[kind],
+                  " of ", tokens);
     }
     TORCH_CHECK(!native_attention || (block_tables->dim() == 2 && block_tables->size(0) == tokens &&
                                       context_lens->dim() == 1 && context_lens->size(0) == tokens),
@@ -448,10 +461,10 @@ class DecodeStack : public torch::CustomClassHolder {
     parallel_with_state(static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first, int64_t last) {
       for (int64_t part = first; part < last; ++part) {
         const int64_t begin = bounds[part], end = bounds[part + 1];
-        // The layout's leading kernel rows that fall in this part, leading it too.
+        // The layout for this part's rows: each kind's kernel takes all of them or none, as for the step.
         std::vector<int64_t> part_kernel_rows(kernel_rows.size());
         for (size_t kind = 0; kind < kernel_rows.size(); ++kind) {
-          part_kernel_rows[kind] = std::max<int64_t>(0, std::min(kernel_rows[kind], end) - begin);
+          part_kernel_rows[kind] = kernel_rows[kind] == 0 ? 0 : end - begin;
         }
         // Contiguous once here, not in each layer's calls.
         at::Tensor rows = run_layers(x.slice(0, begin, end), cos.slice(2, begin, end).contiguous(),
@@ -567,8 +580,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // A group's products on one input; those taking bfloat16 share one rounded copy. 4-bit
-  // products compute the layout's leading kernel rows on their kernel and the rest on their copy
-  // (written over the copy's rows, as row_layout.split_rows does).
+  // products compute the step's rows on their kernel or, where the layout says none, their copy.
   std::vector<at::Tensor> products(const ProductGroup& group, const at::Tensor& x,
                                    const std::vector<int64_t>& kernel_rows) const {
     const int64_t rows = x.size(0);
@@ -594,17 +606,12 @@ class DecodeStack : public torch::CustomClassHolder {
         out.push_back(y);
         continue;
       }
-      const int64_t on_kernel = is_int4(p.kind) ? kernel_rows[p.kind] : 0;
       at::Tensor y;
-      if (is_int4(p.kind) && on_kernel == rows) {
+      if (is_int4(p.kind) && kernel_rows[p.kind] == rows) {
         y = int4(p, x, rounded);
       } else {
         const at::Tensor& weight = is_int4(p.kind) ? p.batched : p.weight;
         y = onednn_linear(weight.scalar_type() == at::kBFloat16 ? rounded : x, weight, c10::nullopt).to(at::kFloat);
-        if (on_kernel > 0) {
-          y.slice(0, 0, on_kernel)
-              .copy_(int4(p, x.slice(0, 0, on_kernel), rounded.defined() ? rounded.slice(0, 0, on_kernel) : rounded));
-        }
       }
       out.push_back(p.bias.has_value() ? y + *p.bias : y);
     }

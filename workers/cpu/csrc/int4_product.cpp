@@ -57,7 +57,7 @@ constexpr int64_t kMaxRowsPerPass = 4;
 // (a multiple of kMaxRowsPerPass, so the passes fall as in a whole-tile call: the same
 // arithmetic per row). Up to this many rows that is one item per tile, as a decode step of a
 // few streams needs; a step of many rows (decode steps take this kernel up to 512,
-// int4.MAX_NATIVE_INT4_ROWS) also spreads over its rows, so on a many-core CPU the
+// row_layout.KernelRowLimits) also spreads over its rows, so on a many-core CPU the
 // threads are not limited to a layer's tiles (36 for a 576-output layer, in items of 4).
 constexpr int64_t kRowsPerItem = 16;
 static_assert(kRowsPerItem % kMaxRowsPerPass == 0, "items hold whole passes");
