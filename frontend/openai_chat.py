@@ -1,16 +1,15 @@
 """POST /v1/chat/completions: plain and SSE, n choices, logprobs, structured output, tools,
 and spoken answers.
 
-Order of work for a request: read the body (size and time bounded), decode it into a typed
-struct (unknown fields refused), check what it asks (its grammar compiled off the loop),
-admit its choices (a lease each, or 429), and only then template and generate. The leases
-are released however the request ends: normal end, error, a client that disconnects
-mid-stream, or one that disconnects while a plain answer is generated.
+A request runs through frontend/request_lifecycle.py (its body, admission, cache salt, a
+client that leaves, the streaming hand-off, the release); this module keeps what is chat's
+own: the body decoded into a typed struct (unknown fields refused), checked (its grammar
+compiled off the loop, its spoken parts transcribed) before its choices are admitted, the
+conversation templated, and the answer written as chat completion chunks or one message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from dataclasses import dataclass
@@ -21,14 +20,13 @@ from starlette.responses import JSONResponse, Response
 
 from frontend.chat_audio import SpeechFailed, SpokenAnswer, transcribe_audio_parts
 from frontend.chat_request import ChatCompletionRequest
-from frontend.choices import Choice, admit_choices, collect_all, merged, params_per_choice, start_choices
+from frontend.choices import Choice, merged, params_per_choice
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable
 from frontend.generation import TextChunk
-from frontend.limits import bearer_token, cache_salt, requester_of
-from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
-                                  unless_disconnected, usage_of, wait_for_disconnect)
+from frontend.openai_http import sse_data, usage_of
 from frontend.request_fields import decode_request
+from frontend.request_lifecycle import RequestLifecycle, answer_request
 from frontend.structured_output import (check_logit_bias, forced_call_grammar, named_choice)
 from frontend.tenancy import Requester
 from frontend.tool_parsers import ToolCallDelta, parser_for, tool_calls_json
@@ -57,46 +55,23 @@ class ChatCompletions:
             {"id": self.state.model_name, "object": "model", "created": self.state.started, "owned_by": "antiphon"}]})
 
     async def create(self, request: Request) -> Response:
-        state, config = self.state, self.state.config
-        body_bytes = await body_or_error(request, config)
-        if isinstance(body_bytes, Response):
-            return body_bytes
-        presented = bearer_token(request.headers.get("authorization"))
-        requester = requester_of(config, presented, request.scope)
-        salt = cache_salt(config, presented)
-        # From here on a client that hangs up stops its request: its grammar compile and
-        # transcriptions while it is checked, its generation before or after its first token.
-        gone = asyncio.ensure_future(wait_for_disconnect(request))
-        handed_over = False
+        return await answer_request(request, self.state.config, self.state.generation, self._answer)
+
+    async def _answer(self, lifecycle: RequestLifecycle, body_bytes: bytes) -> Response:
+        state = self.state
+        # Checked while the client listens: its grammar compile and transcriptions stop if it leaves.
+        plan = await lifecycle.while_connected(self._plan(body_bytes, lifecycle.requester))
+        request_id = lifecycle.admit("chatcmpl", plan.n)
         spoken = None
-        leases = []
-        try:
-            plan = await unless_disconnected(gone, self._plan(body_bytes, requester))
-            if plan is None:
-                return Response(status_code=499)  # nobody is listening any more
-            leases = admit_choices(state.generation, state.generation.new_request_id("chatcmpl"), plan.n)
-            request_id = leases[0].request_id
-            if plan.spoken_format is not None:
-                spoken = SpokenAnswer(state.client, request_id, plan.spoken_format, state.spoken_answers, requester)
-            choices = await unless_disconnected(gone, self._start(leases, plan, salt))
-            if choices is None:
-                return Response(status_code=499)  # nobody is listening any more
-            if plan.body.stream:
-                gone.cancel()  # the streaming response watches for the disconnect itself
-                handed_over = True
-                return LeasedStreamingResponse(
-                    leases, self._sse(request_id, choices, plan, spoken),
-                    on_close=spoken.close if spoken is not None else None, media_type="text/event-stream")
-            return await self._complete_unless_disconnected(gone, request_id, choices, plan, spoken)
-        except REFUSALS as exc:
-            return refusal(exc)
-        finally:
-            gone.cancel()
-            if not handed_over:
-                for lease in leases:
-                    lease.release()
-                if spoken is not None:
-                    spoken.close()
+        if plan.spoken_format is not None:
+            spoken = SpokenAnswer(state.client, request_id, plan.spoken_format, state.spoken_answers,
+                                  lifecycle.requester)
+            lifecycle.on_release(spoken.close)
+        prompt = await lifecycle.while_connected(state.generation.chat_prompt(plan.messages, plan.tools))
+        choices = await lifecycle.start([prompt] * plan.n, params_per_choice(plan.params, plan.n))
+        if plan.body.stream:
+            return lifecycle.stream(self._sse(request_id, choices, plan, spoken))
+        return await self._complete(lifecycle, request_id, choices, plan, spoken)
 
     async def _plan(self, body_bytes: bytes, requester: Requester) -> ChatPlan:
         state, config = self.state, self.state.config
@@ -153,32 +128,18 @@ class ChatCompletions:
         # tool_choice "none": the model sees the tools but may not call them.
         return tools or None
 
-    async def _start(self, leases, plan: ChatPlan, salt: str | None) -> list[Choice]:
-        generation = self.state.generation
-        prompt = await generation.chat_prompt(plan.messages, plan.tools)
-        return await start_choices(generation, leases, [prompt] * plan.n, params_per_choice(plan.params, plan.n),
-                                   salt)
-
     def _calls_tools(self, plan: ChatPlan) -> bool:
         return plan.tools is not None and plan.body.tool_choice != "none"
 
-    async def _complete_unless_disconnected(self, gone: asyncio.Future, request_id: str, choices: list[Choice],
-                                            plan: ChatPlan, spoken: SpokenAnswer | None) -> Response:
+    async def _complete(self, lifecycle: RequestLifecycle, request_id: str, choices: list[Choice], plan: ChatPlan,
+                        spoken: SpokenAnswer | None) -> Response:
         """The whole answer; if the client goes away meanwhile, generation stops at once."""
-        all_chunks = await unless_disconnected(gone, collect_all(choices))
-        if all_chunks is None:
-            return Response(status_code=499)  # nobody is listening any more
-        for chunks in all_chunks:
-            if chunks[-1].finish_reason == "error":
-                return error_response(500, chunks[-1].error or "generation failed", "engine_error",
-                                      error_type="server_error")
+        all_chunks = await lifecycle.all_chunks(choices)
         out = [self._choice(index, chunks, plan) for index, chunks in enumerate(all_chunks)]
         if spoken is not None:
             text = out[0]["message"]["content"]
             await spoken.say(text, final=True)
-            pcm = await unless_disconnected(gone, spoken.rest())
-            if pcm is None:
-                return Response(status_code=499)
+            pcm = await lifecycle.while_connected(spoken.rest())
             # As OpenAI's audio answers: the text is the audio's transcript.
             out[0]["message"] = {"role": "assistant", "content": None,
                                  "audio": spoken.message_audio(b"".join(pcm), text)}

@@ -3,11 +3,12 @@
 Choice `i * n + j` is the j-th completion of prompt i, as in OpenAI's API. Every choice of
 the batch is admitted together (all or a 429) and the choices of one prompt share its KV
 blocks (frontend/choices.py). A string prompt is tokenized as it is, with no chat template.
+A request runs through frontend/request_lifecycle.py, as chat's does; this module keeps what
+is completions' own: the body, the prompts, and the answer's shape.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import anyio
@@ -15,15 +16,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.choices import Choice, admit_choices, collect_all, merged, params_per_choice, start_choices
+from frontend.choices import Choice, merged, params_per_choice
 from frontend.completion_request import CompletionRequest
 from frontend.edge_decoding import InvalidInput
 from frontend.generation import TextChunk
-from frontend.openai_chat import check_logit_bias
-from frontend.limits import bearer_token, cache_salt, requester_of_request
-from frontend.openai_http import (REFUSALS, LeasedStreamingResponse, body_or_error, error_response, refusal, sse_data,
-                                  unless_disconnected, usage_of, wait_for_disconnect)
+from frontend.openai_http import sse_data, usage_of
 from frontend.request_fields import decode_request
+from frontend.request_lifecycle import RequestLifecycle, answer_request
+from frontend.structured_output import check_logit_bias
+from frontend.tenancy import Requester
 
 
 class Completions:
@@ -31,45 +32,21 @@ class Completions:
         self.state = app_state
 
     async def create(self, request: Request) -> Response:
-        state, config = self.state, self.state.config
-        body_bytes = await body_or_error(request, config)
-        if isinstance(body_bytes, Response):
-            return body_bytes
-        salt = cache_salt(config, bearer_token(request.headers.get("authorization")))
-        # From here on a client that hangs up stops its request: its grammar compile while it
-        # is checked, its generation before or after its first token.
-        gone = asyncio.ensure_future(wait_for_disconnect(request))
-        handed_over = False
-        leases = []
-        try:
-            checked = await unless_disconnected(gone, self._check(body_bytes, request))
-            if checked is None:
-                return Response(status_code=499)  # nobody is listening any more
-            body, params, prompts = checked
-            n = body.n or 1
-            leases = admit_choices(state.generation, state.generation.new_request_id("cmpl"), n * len(prompts))
-            request_id = leases[0].request_id
-            per_choice = params_per_choice(params, n) * len(prompts)
-            choices = await unless_disconnected(gone, start_choices(
-                state.generation, leases, [p for p in prompts for _ in range(n)], per_choice, salt))
-            if choices is None:
-                return Response(status_code=499)  # nobody is listening any more
-            echoes = [self._echo(body, p) for p in prompts for _ in range(n)]
-            if body.stream:
-                gone.cancel()
-                handed_over = True
-                return LeasedStreamingResponse(leases, self._sse(request_id, choices, body, echoes, n),
-                                               media_type="text/event-stream")
-            return await self._complete(gone, request_id, choices, body, echoes, n)
-        except REFUSALS as exc:
-            return refusal(exc)
-        finally:
-            gone.cancel()
-            if not handed_over:
-                for lease in leases:
-                    lease.release()
+        return await answer_request(request, self.state.config, self.state.generation, self._answer)
 
-    async def _check(self, body_bytes: bytes, request: Request):
+    async def _answer(self, lifecycle: RequestLifecycle, body_bytes: bytes) -> Response:
+        # Checked while the client listens: its grammar compile and tokenizing stop if it leaves.
+        body, params, prompts = await lifecycle.while_connected(self._check(body_bytes, lifecycle.requester))
+        n = body.n or 1
+        request_id = lifecycle.admit("cmpl", n * len(prompts))
+        per_choice = params_per_choice(params, n) * len(prompts)
+        choices = await lifecycle.start([p for p in prompts for _ in range(n)], per_choice)
+        echoes = [self._echo(body, p) for p in prompts for _ in range(n)]
+        if body.stream:
+            return lifecycle.stream(self._sse(request_id, choices, body, echoes, n))
+        return await self._complete(lifecycle, request_id, choices, body, echoes, n)
+
+    async def _check(self, body_bytes: bytes, requester: Requester):
         state, config = self.state, self.state.config
         body = decode_request(body_bytes, CompletionRequest, config.accept_unknown_fields)
         body.check_supported()
@@ -77,7 +54,6 @@ class Completions:
         check_logit_bias(params, state.client.ready["decoder"].vocab_size)
         constraint = body.constraint(config.max_grammar_bytes)
         if constraint is not None:
-            requester = requester_of_request(config, request)
             await state.grammar_checker.check(*constraint, requester)
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         prompts = await anyio.to_thread.run_sync(self._token_ids, body.prompts(config.max_prompts_per_request))
@@ -106,19 +82,12 @@ class Completions:
     def _echo(self, body: CompletionRequest, token_ids: list[int]) -> str:
         return self.state.generation.tokenizer.decode(token_ids) if body.echo else ""
 
-    async def _complete(self, gone, request_id: str, choices: list[Choice], body: CompletionRequest,
-                        echoes: list[str], n: int) -> Response:
-        all_chunks = await unless_disconnected(gone, collect_all(choices))
-        if all_chunks is None:
-            return Response(status_code=499)  # nobody is listening any more
-        out = []
-        for index, chunks in enumerate(all_chunks):
-            last = chunks[-1]
-            if last.finish_reason == "error":
-                return error_response(500, last.error or "generation failed", "engine_error",
-                                      error_type="server_error")
-            out.append(self._choice(index, echoes[index] + "".join(c.text for c in chunks), chunks, body,
-                                    len(echoes[index]), last.finish_reason))
+    async def _complete(self, lifecycle: RequestLifecycle, request_id: str, choices: list[Choice],
+                        body: CompletionRequest, echoes: list[str], n: int) -> Response:
+        all_chunks = await lifecycle.all_chunks(choices)
+        out = [self._choice(index, echoes[index] + "".join(c.text for c in chunks), chunks, body,
+                            len(echoes[index]), chunks[-1].finish_reason)
+               for index, chunks in enumerate(all_chunks)]
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.state.model_name, "choices": out,
                              "usage": _batch_usage([c[-1] for c in all_chunks], n)})

@@ -1,6 +1,7 @@
 """What the OpenAI-compatible HTTP endpoints share: bounded bodies, error bodies, SSE
-framing, usage, responses that release their leases, and watching for a client that leaves.
-The endpoints: frontend/openai_chat.py, openai_completions.py, openai_audio.py.
+framing, usage, and watching for a client that leaves. The endpoints:
+frontend/openai_chat.py, openai_completions.py (both run through request_lifecycle.py),
+openai_audio.py.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import asyncio
 import json
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from frontend.admission import AdmissionRefused, RequestLease
+from frontend.admission import AdmissionRefused
 from frontend.chat_audio import SpeechFailed
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineUnavailable, VoiceBusy
@@ -96,25 +97,6 @@ async def body_or_error(request: Request, config, limit: int | None = None) -> b
         return error_response(408, f"the body did not arrive within {config.body_timeout_s:g} s", "request_timeout")
     except ClientDisconnect:
         return Response(status_code=400)
-
-
-class LeasedStreamingResponse(StreamingResponse):
-    """Releases the request's leases (one per choice) when the response ends, even if its
-    body never started."""
-
-    def __init__(self, leases: list[RequestLease], content, on_close=None, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.leases = leases
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for lease in self.leases:
-                lease.release()
-            if self.on_close is not None:
-                self.on_close()  # e.g. a spoken answer's talker work, if the body never started
 
 
 async def unless_disconnected(gone: asyncio.Future, work):
