@@ -13,7 +13,7 @@ CUDA graphs are captured after the pool exists, from the (1 - utilization) margi
 pool holds about one step's activations at the largest graph size plus one shared logits
 buffer (workers/decode_graphs.py). The measure counts every process on the device: a second
 engine on the same GPU gets what this one leaves, not half of it; the server starts the decoder
-after its other workers on a GPU (frontend/engine_client.py), so the encoder's tower, warm-up and
+after its other workers on a GPU (frontend/worker_supervisor.py), so the encoder's tower, warm-up and
 cache are counted. The encoder's global cache grows after start: encoder_cache_gib must fit in
 the (1 - utilization) margin.
 """
