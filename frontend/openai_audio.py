@@ -29,6 +29,7 @@ from frontend.limits import requester_of_request
 from frontend.speech_recognition import recognized_segments
 from frontend.tenancy import Requester
 from frontend.openai_http import body_or_error, error_response
+from frontend.request_lifecycle import LeasedStreamingResponse
 from workers.speech.speakable import has_words
 
 logger = logging.getLogger("antiphon.frontend")
@@ -193,12 +194,15 @@ class AudioEndpoints:
         if first[0].error is not None:
             return error_response(503, first[0].error, "voice_unavailable", error_type="server_error")
         pieces = self._pieces(request_id, queue, first)
+        # The talker stops however the response ends, also when the client leaves before its
+        # body starts (then _pieces' own cleanup never runs).
+        stop = lambda: client.cancel_speech(request_id)  # noqa: E731
         if options["stream_format"] == "sse":
-            return StreamingResponse(self._speech_events(pieces), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return LeasedStreamingResponse(stop, self._speech_events(pieces), media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache"})
         body_iter = self._wav_stream(pieces) if options["response_format"] == "wav" else pieces
-        return StreamingResponse(body_iter, media_type=SPEECH_FORMATS[options["response_format"]],
-                                 headers={"X-Sample-Rate": str(SPEECH_RATE)})
+        return LeasedStreamingResponse(stop, body_iter, media_type=SPEECH_FORMATS[options["response_format"]],
+                                       headers={"X-Sample-Rate": str(SPEECH_RATE)})
 
     @staticmethod
     def _speech_options(body: bytes, max_chars: int) -> dict:

@@ -61,6 +61,7 @@ class RequestLifecycle:
         self.leases: list[RequestLease] = []
         self._on_release: list[Callable[[], None]] = []
         self._handed_over = False
+        self._released = False
         self._gone = asyncio.ensure_future(wait_for_disconnect(request))
 
     async def while_connected(self, work: Awaitable):
@@ -72,6 +73,8 @@ class RequestLifecycle:
 
     def admit(self, id_prefix: str, count: int) -> str:
         """Admits `count` choices, all or none (AdmissionRefused); the response's id."""
+        if self.leases:
+            raise RuntimeError("a request's choices are admitted once")
         self.leases = admit_choices(self.generation, self.generation.new_request_id(id_prefix), count)
         return self.leases[0].request_id
 
@@ -99,10 +102,18 @@ class RequestLifecycle:
         return LeasedStreamingResponse(self.release, events, media_type="text/event-stream")
 
     def release(self) -> None:
-        for lease in self.leases:
-            lease.release()
-        for close in self._on_release:
-            close()
+        """Every lease, then every closer, each whatever the others raise; once."""
+        if self._released:
+            return
+        self._released = True
+        errors = []
+        for release in [lease.release for lease in self.leases] + self._on_release:
+            try:
+                release()
+            except Exception as exc:  # noqa: BLE001 - the others must still run; raised after them
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def end(self) -> None:
         self._gone.cancel()

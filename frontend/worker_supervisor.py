@@ -60,10 +60,13 @@ class WorkerSupervisor:
         self.on_lost = on_lost  # (worker, reason), once per lost process
         self.on_failed = on_failed  # (reason), once, before on_fatal
         self.run_dir = Path(tempfile.mkdtemp(prefix="antiphon-"))
-        # The process's one context, never terminated here: a context of our own that the garbage
-        # collector finalised (a client dropped without shutdown, in a reference cycle with its
-        # sockets) blocked in Context.term() on sockets not yet closed, and hung the process.
+        # The process's one context, never terminated: a context of a supervisor's own, finalised
+        # by the garbage collector together with sockets it could no longer close (a supervisor
+        # dropped without shutdown, in a reference cycle), blocked in Context.term() and hung the
+        # process, whatever the sockets' linger. Its sockets do not linger: nothing waits on a
+        # message queued for a worker that is gone, and shutdown closes every one.
         self.context = zmq.asyncio.Context.instance()
+        self.context.setsockopt(zmq.LINGER, 0)
         self.addresses = {name: f"ipc://{self.run_dir}/{name}"
                           for name in ("decoder-in", "encoder-in", "talker-in", "outputs", "speech",
                                        "encoder-asks", "embeddings")}
@@ -157,6 +160,8 @@ class WorkerSupervisor:
         if ready not in done:
             if process.returncode is None:
                 process.kill()
+            # Closed here, not left to the next start (which binds the address again).
+            self.to_workers.pop(worker).close(linger=0)
             raise RuntimeError(f"{worker} process failed to start (exit code {process.returncode})")
         self._last_heard[worker] = time.monotonic()
         self.running.add(worker)

@@ -129,3 +129,34 @@ async def test_a_streamed_answer_holds_its_leases_until_its_body_has_been_sent()
     assert response.headers["content-type"].startswith("text/event-stream")
     assert b"".join(m.get("body", b"") for m in sent) == b"data: one\n\ndata: [DONE]\n\n"
     assert generation.admission.held == 0 and closed == [True]
+
+
+async def test_a_closer_that_raises_does_not_keep_the_others_from_running_and_release_runs_once():
+    """Every lease and every closer runs whatever one of them raises (the error comes after), a
+    second release does nothing, and choices are admitted once."""
+    generation, closed = FakeGeneration(), []
+    lifecycle = None
+
+    async def handle(current, body: bytes):
+        nonlocal lifecycle
+        lifecycle = current
+        current.admit("cmpl", 2)
+        try:
+            current.admit("cmpl", 1)
+        except RuntimeError:
+            closed.append("admitted once")
+
+        def broken() -> None:
+            raise OSError("a closer that fails")
+        current.on_release(broken)
+        current.on_release(lambda: closed.append("after the broken one"))
+        try:
+            current.release()
+        except OSError:
+            closed.append("raised after the others")
+        current.release()
+        return json.dumps({}).encode()
+
+    await answer_request(http_request(b"{}"), ServerConfig(), generation, handle)
+    assert closed == ["admitted once", "after the broken one", "raised after the others"]
+    assert generation.released == ["cmpl-1", "cmpl-1-1"] and generation.admission.held == 0

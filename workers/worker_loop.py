@@ -25,6 +25,9 @@ import msgspec
 import zmq
 
 from engine import protocol
+
+# How long closing may wait to deliver what the output socket still holds (a failure report).
+OUTPUT_LINGER_MS = 1000
 from engine.config import EngineConfig
 from workers.process_guard import run_worker, start_worker_process
 
@@ -96,6 +99,8 @@ class WorkerLoop:
                 for socket, receive in self._receivers.items():
                     if socket in ready:
                         receive(socket.recv_multipart(copy=False))
+                # Inputs that keep arriving must not keep the frontend from hearing this loop.
+                self.beat_if_due()
                 ready = dict(self._poller.poll(0))
             self._work()
             # Beat on a clock, not only when idle: a steady stream of inputs must not keep
@@ -126,7 +131,8 @@ class WorkerLoop:
 
     def close(self) -> None:
         for socket in self._sockets:
-            socket.close(linger=0)
+            # The output lingers a moment: it may carry the worker's last words (WorkerFailed).
+            socket.close(linger=OUTPUT_LINGER_MS if socket is self.outputs else 0)
         self.context.term()
 
 

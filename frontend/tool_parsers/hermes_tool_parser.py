@@ -81,6 +81,9 @@ class HermesStreamingParser(StreamingToolParser):
         self._pending = ""  # read but not yet given out
         self._next_index = 0
         self._scanner = _JsonNestingScanner()
+        # Each state's reader, made once: a step runs per streamed token.
+        self._readers = {"content": self._read_content, "block": self._read_block,
+                         "arguments": self._read_arguments, "after_arguments": self._read_after_arguments}
 
     def feed(self, text: str) -> list[ToolCallDelta | str]:
         self._pending += text
@@ -100,8 +103,7 @@ class HermesStreamingParser(StreamingToolParser):
 
     def _step(self, out: list) -> bool:
         """Gives out what the pending text decides; False once it needs more text."""
-        return {"content": self._read_content, "block": self._read_block, "arguments": self._read_arguments,
-                "after_arguments": self._read_after_arguments}[self._state](self._pending, out)
+        return self._readers[self._state](self._pending, out)
 
     def _read_content(self, pending: str, out: list) -> bool:
         start = pending.find(OPEN_TAG)
