@@ -3,14 +3,15 @@ both CPU modes, each commit in processes of its own, taking turns (this machine'
 over minutes, so each round runs both commits back to back, in alternating order).
 
 The base commit is checked out once into $ANTIPHON_CACHE/ab/<commit> (a git worktree); the
-other side is this checkout as it is. Each process loads the default model, waits for its
+other side is this checkout as it is, or with --head a commit checked out the same way (so
+that editing this checkout during a run does not change what it measures). Each process loads the default model, waits for its
 checkout's native library (a first run builds it, minutes on two cores), warms up, then times:
 one greedy stream of --max-tokens (decode tok/s after the first token) and 16 streams of as many
 tokens (total tok/s, prompts included). Prints each figure's median per commit and the ratio
 head / base. A change that is structure only should show ratios within the noise (the spread
 of a commit's own rounds, printed beside it).
 
-    python benchmarks/ab_commits.py --base 35b7f45 [--reps 3] [--modes auto none]
+    python benchmarks/ab_commits.py --base 35b7f45 [--head HEAD] [--reps 3] [--modes auto none]
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ def measure(checkout: Path, mode: str, max_tokens: int, threads: int) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--head", help="a commit to measure instead of this checkout as it is")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["auto", "none"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    sides = {"base": checkout_of(args.base), "head": ROOT}
+    sides = {"base": checkout_of(args.base), "head": checkout_of(args.head) if args.head else ROOT}
     results: dict[tuple[str, str, str], list[float]] = {}
     for rep in range(args.reps):
         order = ["base", "head"] if rep % 2 == 0 else ["head", "base"]
