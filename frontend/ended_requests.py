@@ -33,16 +33,17 @@ class EndedRequests:
             await self._wanted.wait()
             self._wanted.clear()
             released, self.releases = self.releases, []
+            request_ids, self.aborts = self.aborts, []
+            # Aborts first: they free KV blocks and stop work that other requests wait behind,
+            # and a slow encoder must not hold them up.
+            if request_ids:
+                try:
+                    await self.workers.send("decoder", protocol.encode(protocol.AbortRequests(request_ids)))
+                    self.abort_messages_sent += 1
+                except EngineUnavailable:
+                    pass  # the decoder is gone, and with it every request it ran
             if released:
                 try:
                     await self.workers.send("encoder", protocol.encode(protocol.ReleaseItems(released)))
                 except EngineUnavailable:
                     pass  # the encoder is gone, and with it every item it held
-            request_ids, self.aborts = self.aborts, []
-            if not request_ids:
-                continue
-            try:
-                await self.workers.send("decoder", protocol.encode(protocol.AbortRequests(request_ids)))
-            except EngineUnavailable:
-                continue  # the decoder is gone, and with it every request it ran
-            self.abort_messages_sent += 1
