@@ -99,8 +99,13 @@ async def body_or_error(request: Request, config, limit: int | None = None) -> b
         return Response(status_code=400)
 
 
+class ClientGone(Exception):
+    """The client hung up before its answer was ready; the work it asked for is cancelled."""
+
+
 async def unless_disconnected(gone: asyncio.Future, work):
-    """`work`'s result, or None if the client went away first (the work is then cancelled)."""
+    """`work`'s result (None included); ClientGone if the client went away first (the work is
+    then cancelled)."""
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -109,7 +114,9 @@ async def unless_disconnected(gone: asyncio.Future, work):
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     try:
-        return None if task.cancelled() else task.result()
+        if task.cancelled():
+            raise ClientGone()
+        return task.result()
     finally:
         # The task holds its exception, whose traceback holds this frame: without this the
         # request's frames would wait in that cycle for the collector's full pass.

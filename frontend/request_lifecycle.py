@@ -23,12 +23,8 @@ from frontend.admission import RequestLease
 from frontend.choices import Choice, admit_choices, collect_all, start_choices
 from frontend.generation import GenerationService, TextChunk
 from frontend.limits import bearer_token, cache_salt, requester_of
-from frontend.openai_http import (REFUSALS, body_or_error, error_response, refusal, unless_disconnected,
-                                  wait_for_disconnect)
-
-
-class ClientGone(Exception):
-    """The client hung up before its answer was ready; the work it asked for is cancelled."""
+from frontend.openai_http import (REFUSALS, ClientGone, body_or_error, error_response, refusal,
+                                  unless_disconnected, wait_for_disconnect)
 
 
 class GenerationFailed(Exception):
@@ -66,10 +62,7 @@ class RequestLifecycle:
 
     async def while_connected(self, work: Awaitable):
         """`work`'s result; ClientGone if the client leaves first (the work is then cancelled)."""
-        result = await unless_disconnected(self._gone, work)
-        if result is None:
-            raise ClientGone()
-        return result
+        return await unless_disconnected(self._gone, work)
 
     def admit(self, id_prefix: str, count: int) -> str:
         """Admits `count` choices, all or none (AdmissionRefused); the response's id."""

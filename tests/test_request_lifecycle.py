@@ -83,6 +83,21 @@ async def test_a_client_that_leaves_while_its_request_is_checked_gets_499_and_th
     assert response.status_code == 499 and cancelled == [True] and generation.admission.held == 0
 
 
+async def test_work_that_answers_none_is_an_answer_not_a_client_gone():
+    generation = FakeGeneration()
+
+    async def nothing():
+        return None
+
+    async def handle(lifecycle, body: bytes):
+        assert await lifecycle.while_connected(nothing()) is None
+        raise InvalidInput("refused after the check", "invalid_value", "prompt")
+
+    response = await answer_request(http_request(b"{}"), ServerConfig(), generation, handle)
+
+    assert response.status_code == 400
+
+
 async def test_a_whole_answer_with_a_failed_choice_is_a_500_engine_error():
     generation = FakeGeneration()
 
