@@ -24,12 +24,9 @@ from engine.config import EngineConfig
 from frontend.decoder_client import DecoderClient
 from frontend.encoder_client import EncoderClient
 from frontend.ended_requests import EndedRequests
-from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.talker_client import TalkerClient
 from frontend.tenancy import ANONYMOUS, FairShare, Requester, share_of
 from frontend.worker_supervisor import WorkerSupervisor
-
-__all__ = ["EngineClient", "EngineUnavailable", "VoiceBusy"]
 
 
 class EngineClient:
@@ -56,7 +53,7 @@ class EngineClient:
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        background = [("abort-sender", self.ended.send()), ("worker-watchdog", self.supervisor.watch_liveness())]
+        background = [("abort-sender", self.ended.send())]
         if self.supervisor.from_talker is not None:
             background.append(("speech-reader", self.talker.read_speech()))
         await self.supervisor.start(background)
@@ -83,20 +80,6 @@ class EngineClient:
     @property
     def restarts(self) -> dict[str, int]:
         return self.supervisor.restarts
-
-    @property
-    def _reader(self) -> asyncio.Task | None:
-        return self.supervisor.reader
-
-    @property
-    def _send(self):
-        return self.supervisor.send
-
-    @_send.setter
-    def _send(self, send) -> None:
-        # Every client sends through the supervisor: a test that replaces this runs them
-        # without worker processes.
-        self.supervisor.send = send
 
     # ---- requests (the decoder) --------------------------------------------------------
 
@@ -134,10 +117,6 @@ class EngineClient:
     @property
     def transcribe_timeout_s(self) -> float:
         return self.encoder.transcribe_timeout_s
-
-    @property
-    def _transcripts(self) -> dict[str, asyncio.Future]:
-        return self.encoder.transcripts
 
     @property
     def encoder_stats(self) -> protocol.EncoderStats:

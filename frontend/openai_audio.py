@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from engine.audio_formats import read_wav, resample, wav_header
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.chat_audio import SPEECH_RATE
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.limits import requester_of_request
 from frontend.speech_recognition import recognized_segments
 from frontend.tenancy import Requester

@@ -22,7 +22,7 @@ from frontend.chat_audio import SpeechFailed, SpokenAnswer, transcribe_audio_par
 from frontend.chat_request import ChatCompletionRequest
 from frontend.choices import Choice, merged, params_per_choice
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable
+from frontend.engine_errors import EngineUnavailable
 from frontend.generation import TextChunk
 from frontend.openai_http import sse_data, usage_of
 from frontend.request_fields import decode_request

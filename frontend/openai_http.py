@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from frontend.admission import AdmissionRefused
 from frontend.chat_audio import SpeechFailed
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.generation import TextChunk
 from frontend.structured_output import GrammarBusy
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from frontend.admission import RequestLease
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.realtime_audio import encode_client_audio
 from frontend.realtime_conversation import new_id
 from frontend.realtime_tools import FunctionCallStream

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.audio_windows import RECOGNIZER_RATE
 from frontend.edge_decoding import InvalidInput
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.limits import EventRate
 from frontend.realtime_audio import InputAudioBuffer, decode_client_audio, new_turn_detector
 from frontend.realtime_conversation import new_id

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from engine.audio_windows import NO_SPEECH_THRESHOLD, RECOGNIZER_RATE, RECOGNIZER_WINDOW_S, recognition_windows
-from frontend.engine_client import EngineUnavailable, VoiceBusy
+from frontend.engine_errors import EngineUnavailable, VoiceBusy
 from frontend.tenancy import ANONYMOUS, Requester
 
 

@@ -104,11 +104,13 @@ class WorkerSupervisor:
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self, background: list[tuple[str, Coroutine]]) -> None:
-        """Starts the output reader, then `background` (name, coroutine) in that order, then the
-        workers; a background task that stops is fatal."""
+        """Starts the output reader and the liveness watchdog, then `background` (name,
+        coroutine: the clients' own tasks) in that order, then the workers; a background task
+        that stops is fatal."""
         self.reader = asyncio.create_task(self._read_outputs(), name="worker-outputs")
-        self._background = [self.reader, *(asyncio.create_task(coroutine, name=name)
-                                           for name, coroutine in background)]
+        watchdog = asyncio.create_task(self.watch_liveness(), name="worker-watchdog")
+        self._background = [self.reader, watchdog, *(asyncio.create_task(coroutine, name=name)
+                                                     for name, coroutine in background)]
         for task in self._background:
             task.add_done_callback(self._background_task_ended)
         if self._decoder_measures_gpu_memory():

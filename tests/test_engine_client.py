@@ -8,7 +8,8 @@ import pytest_asyncio
 from engine import protocol
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from frontend.engine_client import EngineClient, VoiceBusy
+from frontend.engine_client import EngineClient
+from frontend.engine_errors import VoiceBusy
 from frontend.restart_budget import RestartBudget
 
 
@@ -129,7 +130,7 @@ async def test_dead_output_reader_fails_requests_turns_unhealthy_and_is_fatal(ti
     await engine.start()
     try:
         queue = await engine.add_request(long_request("doomed"))
-        engine._reader.cancel()
+        engine.supervisor.reader.cancel()
         delta = await asyncio.wait_for(queue.get(), 10)
         assert delta.finish_reason == "error" and "worker-outputs" in delta.error
         assert not engine.healthy and "worker-outputs" in engine.status
@@ -152,7 +153,7 @@ async def test_a_transcription_its_caller_gave_up_holds_its_share_until_the_enco
     async def to_encoder(worker, frames, block=True):
         sent.append(worker)
 
-    engine._send = to_encoder
+    engine.supervisor.send = to_encoder
     client = Requester(tenant="", client="10.0.0.7")
     try:
         waiter = asyncio.ensure_future(engine.transcribe(np.zeros(1600, np.float32), client))
@@ -165,6 +166,6 @@ async def test_a_transcription_its_caller_gave_up_holds_its_share_until_the_enco
             await engine.transcribe(np.zeros(1600, np.float32), client)
         engine._route(protocol.AudioTranscript(request_id="clip-0", text="late"))
         await asyncio.sleep(0)  # done-callbacks run on the loop's next turn
-        assert engine.transcriptions.held == 0 and not engine._transcripts
+        assert engine.transcriptions.held == 0 and not engine.encoder.transcripts
     finally:
         await engine.shutdown()

@@ -191,7 +191,7 @@ def test_a_clip_that_waited_past_its_deadline_is_refused_as_busy_not_as_a_failur
 
     import pytest
 
-    from frontend.engine_client import VoiceBusy
+    from frontend.engine_errors import VoiceBusy
     from frontend.speech_recognition import recognized_segments
     from workers.speech.recognizer import SpeechRecognizer
     from workers.speech.transcription_thread import TranscriptionThread
