@@ -32,6 +32,7 @@ from frontend.admission import Admission, RequestLease
 from frontend.edge_decoding import InvalidInput
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
+from frontend.tool_parsers import parser_for
 from frontend.tool_specs import prepare_conversation, template_supports_tools
 
 
@@ -85,6 +86,9 @@ class GenerationService:
         self._preprocessing = anyio.CapacityLimiter(max(1, os.cpu_count() or 1))
         self.encoder_budget = encoder_budget
         self.native_tools = template_supports_tools(getattr(tokenizer, "chat_template", None))
+        # The format of tool calls, chosen once: the prompt asks for it, the grammar that
+        # forces a call writes it, and the chat and Realtime handlers read it.
+        self.tool_parser = parser_for()
         # Built now, not on the first request: the floor reads the whole vocabulary.
         self.template = ChatTemplate(tokenizer)
         self.floor = self.template.floor
@@ -152,7 +156,7 @@ class GenerationService:
         normalized = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         # Tools, tool calls and tool answers: rendered by the template when it knows them,
         # else written into the conversation in the Hermes format (frontend/tool_specs.py).
-        normalized, extra = prepare_conversation(normalized, tools, self.native_tools)
+        normalized, extra = prepare_conversation(normalized, tools, self.native_tools, self.tool_parser)
         # Refused before tokenizing when the rendered text alone is too long; client text stays text.
         return self.template.token_ids(normalized, self.max_prompt_tokens, **extra)
 

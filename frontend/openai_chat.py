@@ -29,7 +29,7 @@ from frontend.request_fields import decode_request
 from frontend.request_lifecycle import RequestLifecycle, answer_request
 from frontend.structured_output import (check_logit_bias, forced_call_grammar, named_choice)
 from frontend.tenancy import Requester
-from frontend.tool_parsers import ToolCallDelta, parser_for, tool_calls_json
+from frontend.tool_parsers import ToolCallDelta, tool_calls_json
 from frontend.tool_specs import ToolSpecError, validate_tools
 
 
@@ -48,7 +48,6 @@ class ChatPlan:
 class ChatCompletions:
     def __init__(self, app_state) -> None:
         self.state = app_state
-        self.tool_parser = parser_for()
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -88,7 +87,7 @@ class ChatCompletions:
         tools = self._tools(body)
         constraint = body.constraint(config.max_grammar_bytes)
         grammar = await forced_call_grammar(tools, body.tool_choice, body.parallel_tool_calls,
-                                            config.max_grammar_bytes) if tools else None
+                                            config.max_grammar_bytes, state.generation.tool_parser) if tools else None
         if grammar is not None:
             if constraint is not None:
                 raise InvalidInput(f"{constraint[1]} cannot be combined with a tool_choice that forces a tool call",
@@ -153,7 +152,7 @@ class ChatCompletions:
         finish_reason = chunks[-1].finish_reason
         message = {"role": "assistant", "content": text}
         if self._calls_tools(plan):
-            content, calls = self.tool_parser.parse(text)
+            content, calls = self.state.generation.tool_parser.parse(text)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -169,7 +168,8 @@ class ChatCompletions:
         created = int(time.time())
         body = plan.body
         include_usage = body.include_usage
-        parsers = {c.index: self.tool_parser.streaming() for c in choices} if self._calls_tools(plan) else {}
+        parser = self.state.generation.tool_parser
+        parsers = {c.index: parser.streaming() for c in choices} if self._calls_tools(plan) else {}
         called = set()
         last_chunks: dict[int, TextChunk] = {}
 

@@ -58,7 +58,8 @@ class Response:
         # The ids of the output items, announced before they join the conversation (at the end).
         self.announced: list[str] = []
         # Function calls the answer makes become output items of their own, after the message.
-        self.calls = FunctionCallStream(session.send, self.id, self._announce_id) if calls_tools else None
+        self.calls = (FunctionCallStream(session.send, self.id, self._announce_id, self.state.generation.tool_parser)
+                      if calls_tools else None)
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
         self.speaking = audio_out is not None

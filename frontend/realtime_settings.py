@@ -82,7 +82,7 @@ async def check_answer_settings(settings: dict, where: str, state, requester: Re
             raise InvalidInput(f"include {value!r} is not supported by this server (it can include "
                                "'response.output_text.logprobs')", "unsupported_parameter", f"{where}.include")
     check_tools(settings, where, config.max_tools)
-    constraint = await constraint_of(settings, where, config.max_grammar_bytes)
+    constraint = await constraint_of(settings, where, config.max_grammar_bytes, state.generation.tool_parser)
     if constraint is not None:
         try:
             await state.grammar_checker.check(*constraint, requester)

@@ -18,7 +18,7 @@ import msgspec
 from engine.sampling_params import StructuredOutput
 from frontend.edge_decoding import InvalidInput
 from frontend.structured_output import ResponseFormat, forced_call_grammar, structured_output_of
-from frontend.tool_parsers import ToolCallDelta, parser_for
+from frontend.tool_parsers import ToolCallDelta, ToolParser
 from frontend.tool_specs import ToolSpecError, validate_tools
 
 
@@ -57,7 +57,8 @@ def check_tools(settings: dict, where: str, max_tools: int) -> None:
         raise InvalidInput(str(exc), "invalid_value", f"{where}.{param}") from None
 
 
-async def constraint_of(settings: dict, where: str, max_grammar_bytes: int) -> tuple[StructuredOutput, str] | None:
+async def constraint_of(settings: dict, where: str, max_grammar_bytes: int,
+                        parser: ToolParser) -> tuple[StructuredOutput, str] | None:
     """What a response's text must match: a forced tool call, or the response_format."""
     tools, choice = settings.get("tools") or [], settings.get("tool_choice", "auto")
     response_format = settings.get("response_format")
@@ -67,7 +68,7 @@ async def constraint_of(settings: dict, where: str, max_grammar_bytes: int) -> t
                                        max_bytes=max_grammar_bytes) or (None, None)
         constraint = (spec, f"{where}.response_format") if spec is not None else None
     grammar = await forced_call_grammar(chat_tools(tools), chat_tool_choice(choice), None,
-                                        max_grammar_bytes) if tools else None
+                                        max_grammar_bytes, parser) if tools else None
     if grammar is None:
         return constraint
     if constraint is not None:
@@ -102,12 +103,12 @@ class FunctionCallStream:
     """One response's text split into what it says and the function calls it makes, each
     call streamed as its own output item after the message item."""
 
-    def __init__(self, send, response_id: str, new_item_id, first_output_index: int = 1) -> None:
+    def __init__(self, send, response_id: str, new_item_id, parser: ToolParser, first_output_index: int = 1) -> None:
         self.send = send
         self.response_id = response_id
         self.new_item_id = new_item_id
         self.first_output_index = first_output_index
-        self.parser = parser_for().streaming()
+        self.parser = parser.streaming()
         self.items: list[dict] = []
 
     async def feed(self, text: str, final: bool = False) -> str:

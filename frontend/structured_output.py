@@ -27,6 +27,7 @@ from frontend.edge_decoding import InvalidInput
 from frontend.grammar_workers import GrammarWorkers, Outcome, WorkersUnavailable
 from frontend.tenancy import ANONYMOUS, FairShare, Requester, ShareExhausted, share_of
 from frontend.tool_call_grammar import tool_call_grammar
+from frontend.tool_parsers import ToolParser
 from frontend.tool_specs import ToolSpecError
 
 # Specs' outcomes (compiled, refused and why) remembered per frontend by digest.
@@ -96,13 +97,14 @@ def structured_output_of(response_format: ResponseFormat | None = None, guided_j
 
 
 async def forced_call_grammar(tools: list[dict], tool_choice, parallel_tool_calls: bool | None,
-                              max_bytes: int) -> StructuredOutput | None:
+                              max_bytes: int, parser: ToolParser) -> StructuredOutput | None:
     """The grammar that forces a tool call ("required" or a named function), built off the
     loop (one JSON schema conversion per tool) and bounded like any client grammar."""
     # A named function is called once; "required" may call several unless told otherwise.
     parallel = tool_choice == "required" and parallel_tool_calls is not False
     try:
-        grammar = await anyio.to_thread.run_sync(tool_call_grammar, tools, named_choice(tool_choice), parallel)
+        grammar = await anyio.to_thread.run_sync(tool_call_grammar, tools, named_choice(tool_choice), parallel,
+                                                 parser)
     except ToolSpecError as exc:
         raise InvalidInput(str(exc), "invalid_value", exc.param) from None
     if grammar is None:

@@ -4,8 +4,8 @@ model about them.
 Checks come first so that a bad tool is one 400 naming its field, before any grammar or
 template work. A chat template that renders `tools` itself (Qwen2.5, Llama 3.1) gets them as
 they came; for any other template the tools, past calls and tool answers are written into
-the messages as text in the Hermes format, the one the default parser reads back
-(frontend/tool_parsers/hermes_tool_parser.py).
+the messages as text in the format of the server's tool parser (frontend/tool_parsers/), the
+one it reads back.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from frontend.tool_parsers.hermes_tool_parser import CLOSE_TAG, OPEN_TAG
+from frontend.tool_parsers import ToolParser
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -84,16 +84,18 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
 
-def prepare_conversation(messages: list[dict], tools: list[dict] | None, native: bool) -> tuple[list[dict], dict]:
+def prepare_conversation(messages: list[dict], tools: list[dict] | None, native: bool,
+                         parser: ToolParser) -> tuple[list[dict], dict]:
     """(messages, extra keyword arguments) for apply_chat_template. A native template gets the
     tools as they came (Qwen's dumps each whole `{"type": "function", ...}`) and call arguments
-    as dicts (it dumps those too); any other template gets everything written in as text."""
+    as dicts (it dumps those too); any other template gets everything written in as text, in
+    `parser`'s format."""
     if native:
         return [_native_message(m, i) for i, m in enumerate(messages)], ({"tools": list(tools)} if tools else {})
-    converted = [_text_message(m, i) for i, m in enumerate(messages)]
+    converted = [_text_message(m, i, parser) for i, m in enumerate(messages)]
     if not tools:
         return converted, {}
-    instructions = _tool_instructions(tools)
+    instructions = parser.instructions(tools)
     if converted and converted[0]["role"] in ("system", "developer"):
         first = converted[0]
         return [{**first, "content": _append_text(first["content"], instructions)}, *converted[1:]], {}
@@ -109,12 +111,13 @@ def _native_message(message: dict, index: int) -> dict:
     return converted
 
 
-def _text_message(message: dict, index: int) -> dict:
+def _text_message(message: dict, index: int, parser: ToolParser) -> dict:
     role, content = message["role"], message.get("content")
     if role == "tool":
-        return {"role": "tool", "content": f"<tool_response>\n{_text_of(content)}\n</tool_response>"}
+        return {"role": "tool", "content": parser.tool_result(_text_of(content))}
     if role == "assistant" and message.get("tool_calls"):
-        blocks = [_call_block(function) for _, function in _called_functions(message, index)]
+        blocks = [parser.call_text(function["name"], _arguments_value(function.get("arguments")))
+                  for _, function in _called_functions(message, index)]
         text = _text_of(content)
         return {"role": "assistant", "content": "\n".join([text, *blocks] if text else blocks)}
     return {"role": role, "content": _or_empty(content)}
@@ -130,12 +133,6 @@ def _called_functions(message: dict, index: int) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def _call_block(function: dict) -> str:
-    """A past call written the way the model is asked to write one."""
-    call = {"name": function["name"], "arguments": _arguments_value(function.get("arguments"))}
-    return f"{OPEN_TAG}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE_TAG}"
-
-
 def _arguments_value(arguments):
     """Arguments as an object where the JSON text allows; text that is not an object stays text."""
     if not isinstance(arguments, str):
@@ -145,15 +142,6 @@ def _arguments_value(arguments):
     except json.JSONDecodeError:
         return arguments
     return value if isinstance(value, dict) else arguments
-
-
-def _tool_instructions(tools: list[dict]) -> str:
-    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to help with the user's request. "
-            f"Their signatures are inside <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\n"
-            "To call a function, write its name and arguments as a JSON object inside "
-            "<tool_call></tool_call> XML tags, exactly like this:\n"
-            f'{OPEN_TAG}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE_TAG}')
 
 
 def _text_of(content) -> str:

@@ -7,9 +7,11 @@ import jsonschema
 import pytest
 
 from frontend.tool_call_grammar import tool_call_grammar
-from frontend.tool_parsers.hermes_tool_parser import parse_tool_calls
+from frontend.tool_parsers.hermes_tool_parser import HermesToolParser, parse_tool_calls
 from frontend.tool_specs import ToolSpecError, prepare_conversation
 from tests.tool_examples import CLOCK, NAMED_WEATHER, PARIS_CALL, WEATHER, default_tokenizer
+
+HERMES = HermesToolParser()
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +41,22 @@ def admits(grammar_compiler, ebnf: str, text: str) -> bool:
 
 
 def test_no_grammar_when_the_model_may_choose():
-    assert all(tool_call_grammar([WEATHER], choice, True) is None for choice in (None, "auto", "none"))
+    assert all(tool_call_grammar([WEATHER], choice, True, HERMES) is None for choice in (None, "auto", "none"))
 
 
 @pytest.mark.parametrize("tool_choice, parallel", [(NAMED_WEATHER, False), ("required", False), ("required", True)])
 def test_grammar_text_is_what_xgrammar_reads_back(tool_choice, parallel):
     import xgrammar as xgr
 
-    ebnf = tool_call_grammar([WEATHER, CLOCK], tool_choice, parallel)
+    ebnf = tool_call_grammar([WEATHER, CLOCK], tool_choice, parallel, HERMES)
     assert str(xgr.Grammar.from_ebnf(ebnf)) == ebnf
 
 
 def test_a_named_choice_admits_one_call_of_that_tool_with_valid_arguments_only(grammar_compiler):
-    ebnf = tool_call_grammar([WEATHER, CLOCK], NAMED_WEATHER, parallel_tool_calls=False)
+    ebnf = tool_call_grammar([WEATHER, CLOCK], NAMED_WEATHER, parallel_tool_calls=False, parser=HERMES)
     assert admits(grammar_compiler, ebnf, PARIS_CALL)
-    named_clock = tool_call_grammar([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, False)
+    named_clock = tool_call_grammar([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, False,
+                                    HERMES)
     assert admits(grammar_compiler, named_clock, '<tool_call>\n{"name": "get_time", "arguments": {"tz": "a\\"}b"}}\n</tool_call>')
     rejected = [
         PARIS_CALL.replace("get_weather", "get_time"),  # another tool
@@ -70,8 +73,8 @@ def test_a_named_choice_admits_one_call_of_that_tool_with_valid_arguments_only(g
 
 def test_required_admits_any_tool_and_parallel_calls_one_per_line(grammar_compiler):
     clock = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
-    single = tool_call_grammar([WEATHER, CLOCK], "required", parallel_tool_calls=False)
-    parallel = tool_call_grammar([WEATHER, CLOCK], "required", parallel_tool_calls=True)
+    single = tool_call_grammar([WEATHER, CLOCK], "required", parallel_tool_calls=False, parser=HERMES)
+    parallel = tool_call_grammar([WEATHER, CLOCK], "required", parallel_tool_calls=True, parser=HERMES)
     assert admits(grammar_compiler, single, PARIS_CALL) and admits(grammar_compiler, single, clock)
     assert not admits(grammar_compiler, single, f"{PARIS_CALL}\n{clock}")
     assert admits(grammar_compiler, parallel, f"{PARIS_CALL}\n{clock}\n{PARIS_CALL}")
@@ -83,11 +86,36 @@ def test_required_admits_any_tool_and_parallel_calls_one_per_line(grammar_compil
         jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
 
 
+class BracketFormat(HermesToolParser):
+    """Another way of writing calls: the grammar and the prompt text follow the parser's."""
+
+    call_separator = " "
+
+    def call_opening(self, name: str) -> str:
+        return f"[CALL {name}]"
+
+    def call_closing(self) -> str:
+        return "[/CALL]"
+
+
+def test_the_grammar_writes_calls_as_the_servers_parser_does(grammar_compiler):
+    brackets = BracketFormat()
+    ebnf = tool_call_grammar([WEATHER, CLOCK], "required", parallel_tool_calls=True, parser=brackets)
+    call = '[CALL get_weather]{"city": "Paris", "unit": "celsius"}[/CALL]'
+    assert admits(grammar_compiler, ebnf, f"{call} {call}")
+    assert not admits(grammar_compiler, ebnf, PARIS_CALL) and not admits(grammar_compiler, ebnf, f"{call}\n{call}")
+    past = [{"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    messages, _ = prepare_conversation(past, [WEATHER], native=False, parser=brackets)
+    assert messages[-1]["content"] == '[CALL get_weather]{"city": "Paris"}[/CALL]'
+
+
 def test_a_parameters_schema_xgrammar_cannot_enforce_is_an_error_naming_it():
     broken = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
     with pytest.raises(ToolSpecError) as error:
-        tool_call_grammar([WEATHER, broken], "required", False)
+        tool_call_grammar([WEATHER, broken], "required", False, HERMES)
     assert error.value.param == "tools[1].function.parameters"
 
 
@@ -100,10 +128,10 @@ def test_the_default_model_decoding_under_the_grammar_writes_a_valid_call(tokeni
 
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model()).eval()
     messages, kwargs = prepare_conversation([{"role": "user", "content": "What is the weather in Paris?"}],
-                                            [WEATHER, CLOCK], native=False)
+                                            [WEATHER, CLOCK], native=False, parser=HERMES)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                            **kwargs)
-    matcher = matcher_for(grammar_compiler, tool_call_grammar([WEATHER, CLOCK], NAMED_WEATHER, False))
+    matcher = matcher_for(grammar_compiler, tool_call_grammar([WEATHER, CLOCK], NAMED_WEATHER, False, HERMES))
     bitmask = xgr.allocate_token_bitmask(1, 49152)
     pieces, pending, cache, forwards = [], list(prompt), None, 0
     with torch.no_grad():

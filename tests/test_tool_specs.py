@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from frontend.tool_parsers.hermes_tool_parser import parse_tool_calls
+from frontend.tool_parsers.hermes_tool_parser import HermesToolParser, parse_tool_calls
 from frontend.tool_specs import ToolSpecError, prepare_conversation, template_supports_tools, validate_tools
 from tests.tool_examples import CLOCK, NAMED_WEATHER, PARIS_CALL, WEATHER, default_tokenizer
+
+HERMES = HermesToolParser()
 
 # Written for these tests in the way Qwen2.5's template uses tools: it dumps each whole tool
 # and each past call's arguments with tojson.
@@ -84,7 +86,7 @@ def past_conversation(system: str | None = "Be brief.") -> list[dict]:
 
 
 def test_a_plain_template_gets_tools_calls_and_results_written_as_text(tokenizer):
-    messages, kwargs = prepare_conversation(past_conversation(), [WEATHER, CLOCK], native=False)
+    messages, kwargs = prepare_conversation(past_conversation(), [WEATHER, CLOCK], native=False, parser=HERMES)
     assert kwargs == {}
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
     assert all(isinstance(m["content"], str) for m in messages)
@@ -105,25 +107,26 @@ def test_a_plain_template_gets_tools_calls_and_results_written_as_text(tokenizer
 
 
 def test_tool_instructions_open_the_conversation_when_it_has_no_system_message():
-    messages, _ = prepare_conversation(past_conversation(system=None), [WEATHER], native=False)
+    messages, _ = prepare_conversation(past_conversation(system=None), [WEATHER], native=False, parser=HERMES)
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("# Tools")
     assert [m["role"] for m in messages[1:]] == ["user", "assistant", "tool"]
     developer = [{"role": "developer", "content": [{"type": "text", "text": "Hi."}]}]
-    messages, _ = prepare_conversation(developer, [WEATHER], native=False)
+    messages, _ = prepare_conversation(developer, [WEATHER], native=False, parser=HERMES)
     assert len(messages) == 1 and messages[0]["content"][0] == {"type": "text", "text": "Hi."}
     assert "<tools>" in messages[0]["content"][1]["text"]
 
 
 def test_without_tools_only_past_calls_and_results_are_converted():
-    messages, kwargs = prepare_conversation(past_conversation(system=None), None, native=False)
+    messages, kwargs = prepare_conversation(past_conversation(system=None), None, native=False, parser=HERMES)
     assert kwargs == {} and [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1] == {"role": "assistant", "content": PARIS_CALL}
     with_text = [{"role": "assistant", "content": "Checking.", "tool_calls": past_conversation()[2]["tool_calls"]}]
-    assert prepare_conversation(with_text, [], native=False)[0][0]["content"] == "Checking.\n" + PARIS_CALL
+    messages, _ = prepare_conversation(with_text, [], native=False, parser=HERMES)
+    assert messages[0]["content"] == "Checking.\n" + PARIS_CALL
 
 
 def test_a_native_template_gets_the_tools_and_arguments_as_objects(tokenizer):
-    messages, kwargs = prepare_conversation(past_conversation(), [WEATHER], native=True)
+    messages, kwargs = prepare_conversation(past_conversation(), [WEATHER], native=True, parser=HERMES)
     assert kwargs == {"tools": [WEATHER]}
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
     assert messages[2]["content"] == "" and messages[3]["tool_call_id"] == "call_1"
@@ -136,5 +139,5 @@ def test_a_past_call_without_a_function_name_is_an_error_naming_it():
     messages = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]
     for native in (True, False):
         with pytest.raises(ToolSpecError) as error:
-            prepare_conversation(messages, None, native=native)
+            prepare_conversation(messages, None, native=native, parser=HERMES)
         assert error.value.param == "messages[0].tool_calls[0].function"

@@ -1,15 +1,19 @@
-"""What every tool-call parser gives the handlers, whatever the model's format.
+"""What every tool-call format gives the handlers, whatever the model's format.
 
 Model families write their calls differently (Hermes' `<tool_call>` JSON blocks, Llama's
-`<|python_tag|>`, Mistral's `[TOOL_CALLS]`); the chat and Realtime handlers need only two
+`<|python_tag|>`, Mistral's `[TOOL_CALLS]`); the chat and Realtime handlers need only these
 things from any of them, so a new format is a new `ToolParser`, not a change to a handler:
-- a whole answer split into its content and its calls (non-streamed responses), and
+- a whole answer split into its content and its calls (non-streamed responses);
 - a stream of pieces as the text arrives: content as strings, each call as deltas whose
-  first one names it and whose arguments follow as the model writes them.
+  first one names it and whose arguments follow as the model writes them;
+- how the format is written, for the text that tells a model without a tool-aware chat
+  template about its tools (frontend/tool_specs.py) and for the grammar that forces a call
+  (frontend/tool_call_grammar.py): both then agree with the parser by construction.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -54,6 +58,32 @@ class ToolParser(ABC):
     @abstractmethod
     def streaming(self) -> StreamingToolParser:
         """A fresh parser for one streamed answer."""
+
+    # How the format is written.
+
+    # Between two calls of one answer.
+    call_separator = "\n"
+
+    @abstractmethod
+    def instructions(self, tools: list[dict]) -> str:
+        """System text that lists `tools` and says how to call one in this format."""
+
+    @abstractmethod
+    def call_opening(self, name: str) -> str:
+        """A call's text before its arguments (a JSON object): what the model writes to call `name`."""
+
+    @abstractmethod
+    def call_closing(self) -> str:
+        """A call's text after its arguments."""
+
+    @abstractmethod
+    def tool_result(self, content: str) -> str:
+        """A tool's answer as the model reads it in the conversation."""
+
+    def call_text(self, name: str, arguments) -> str:
+        """A past call written as the model is asked to write one (`arguments`: an object, or
+        text that is not one, kept as a string)."""
+        return self.call_opening(name) + json.dumps(arguments, ensure_ascii=False) + self.call_closing()
 
 
 def new_call_id() -> str:

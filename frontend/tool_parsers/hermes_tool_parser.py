@@ -37,6 +37,23 @@ _DECODER = json.JSONDecoder()
 class HermesToolParser(ToolParser):
     """The Hermes format behind the ToolParser interface (the registry's default)."""
 
+    def instructions(self, tools: list[dict]) -> str:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        return ("# Tools\n\nYou may call one or more functions to help with the user's request. "
+                f"Their signatures are inside <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\n"
+                "To call a function, write its name and arguments as a JSON object inside "
+                "<tool_call></tool_call> XML tags, exactly like this:\n"
+                f'{OPEN_TAG}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE_TAG}')
+
+    def call_opening(self, name: str) -> str:
+        return f'{OPEN_TAG}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+    def call_closing(self) -> str:
+        return "}\n" + CLOSE_TAG
+
+    def tool_result(self, content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         return parse_tool_calls(text)
 
