@@ -41,7 +41,7 @@ import torch
 from workers.cpu.packed_linear import PackedLinear, can_pack_bf16
 from workers.forward_context import get_forward_context
 from workers.cpu.product_kinds import ProductKind
-from workers.cpu.row_layout import KERNEL_ROW_LIMITS, split_rows
+from workers.cpu.row_layout import split_rows
 
 GROUP_SIZE = 32
 MAX_CODE = 15
@@ -58,13 +58,13 @@ MAX_CODE = 15
 # server's load.
 
 
-_NATIVE_INT4, _TORCH_INT4 = int(ProductKind.NATIVE_INT4), int(ProductKind.TORCH_INT4)
+NATIVE_INT4, TORCH_INT4 = int(ProductKind.NATIVE_INT4), int(ProductKind.TORCH_INT4)
 
 
 def kernel_rows(rows: int, native: bool) -> int:
     """How many of a product's leading `rows` a 4-bit kernel computes in the running step
     (its row layout: workers/forward_context.py); the rest take the copy."""
-    return get_forward_context().rows.kernel_rows(rows, _NATIVE_INT4 if native else _TORCH_INT4)
+    return get_forward_context().rows.kernel_rows(rows, NATIVE_INT4 if native else TORCH_INT4)
 
 
 def kind_of(native: bool) -> ProductKind:
@@ -184,9 +184,10 @@ class Int4Product:
 
     @property
     def kernel_max_rows(self) -> int:
-        """The most rows this kernel takes in any step: for the output layer's candidate picker,
-        whose picks are rescored in float32 (output_layer.py), so prompt steps keep it."""
-        return KERNEL_ROW_LIMITS.of(_NATIVE_INT4 if self.native else _TORCH_INT4)
+        """The most rows this kernel takes in the current step (its layout's limits): for the
+        output layer's candidate picker, whose picks are rescored in float32 (output_layer.py),
+        so prompt steps keep it."""
+        return get_forward_context().rows.limits.of(NATIVE_INT4 if self.native else TORCH_INT4)
 
     @staticmethod
     def concatenate(products: list["Int4Product"]) -> "Int4Product":
@@ -268,7 +269,7 @@ class Int4Linear(torch.nn.Module):
         self.batched = PackedLinear(dense, torch.bfloat16 if can_pack_bf16() else torch.float32)
         # Plain attributes for rows_product (a submodule is read through nn.Module.__getattr__).
         self._copy = self.batched.rows_product
-        self._kind = _NATIVE_INT4 if self.int4.native else _TORCH_INT4
+        self._kind = NATIVE_INT4 if self.int4.native else TORCH_INT4
         # Modeling code may read `layer.weight.dtype` / `.shape`: see PackedLinear.
         self.weight = self.batched.weight
 

@@ -30,19 +30,19 @@ every mode is covered. Only model classes whose forward this one mirrors take it
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from workers.forward_context import get_forward_context
-from workers.cpu import decode_stack, int4, native_library
+from workers.cpu import decode_stack, int4, native_library, row_layout
 from workers.cpu.float32_linear import Float32Linear
-from workers.cpu.int4 import Int4Linear, Int4Product
+from workers.cpu.int4 import NATIVE_INT4, Int4Linear, Int4Product
 from workers.cpu.packed_linear import PackedLinear
 from workers.cpu.product_kinds import ProductKind
 from workers.cpu.rms_norm import FusedRMSNorm
-from workers.cpu.row_layout import KERNEL_ROW_LIMITS
 from workers.paged_attention import PagedAttentionMetadata, attend
 
 logger = logging.getLogger("antiphon")
@@ -54,7 +54,12 @@ LEAN_MODELS = {
     "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP"),
 }
 
-_NATIVE_INT4 = int(ProductKind.NATIVE_INT4)
+# The row counts the load-time probe checks a fused group of torch's 4-bit kernel at: the
+# engine's limit for that kernel (row_layout.KERNEL_ROW_LIMITS). A step given a higher limit
+# (a test's or a benchmark's layout) calls that group's layers one by one past it. (The C++
+# stack serves only where the native library is built, whose 4-bit layers take the native
+# kernel: its fused groups are never torch's.)
+FUSED_PROBE_ROWS = row_layout.KERNEL_ROW_LIMITS.torch_int4
 
 # x float32 and its bfloat16 copy (None where no product of the group takes one) -> float32.
 Product = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -210,6 +215,10 @@ class _ProductGroup:
     def __init__(self, linears: list[torch.nn.Module]) -> None:
         self.fused = _fuse_int4(linears) if len(linears) > 1 else None
         self.fused_kind = None if self.fused is None else int(int4.kind_of(self.fused[0].native))
+        # The row counts at which the fused columns are known to equal the separate ones: all,
+        # on the native kernel; on torch's, those the load-time probe checked.
+        self.fused_max_rows = (0 if self.fused is None else
+                               FUSED_PROBE_ROWS if not self.fused[0].native else sys.maxsize)
         self.native_parts = [_native_product(linear) for linear in linears]
         self.parts = [_product(linear, description) for linear, description in zip(linears, self.native_parts)]
         kinds = {description[0] for description in self.native_parts if description is not None}
@@ -226,10 +235,11 @@ class _ProductGroup:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.shape[0]
         step = get_forward_context().rows
-        rounds = self.rounds_always or (self.rounds_above and step.kernel_rows(rows, _NATIVE_INT4) < rows)
+        rounds = self.rounds_always or (self.rounds_above and step.kernel_rows(rows, NATIVE_INT4) < rows)
         rounded = x.to(torch.bfloat16) if rounds else None
         # (A step whose rows split between the kernel and the copy calls the parts, each split.)
-        if self.fused is not None and step.kernel_rows(rows, self.fused_kind) == rows:
+        if (self.fused is not None and rows <= self.fused_max_rows
+                and step.kernel_rows(rows, self.fused_kind) == rows):
             product, bias, sizes = self.fused
             out = product(x, rounded)
             return (out if bias is None else out + bias).split(sizes, dim=1)
@@ -267,11 +277,11 @@ def _fuse_int4(linears: list[torch.nn.Module]) -> tuple | None:
 
 def _fused_columns_match(linears: list[Int4Linear], fused: Int4Product) -> bool:
     """Whether torch's kernel gives bitwise the separate products' columns for the fused
-    product, for every row count it serves (1 to KERNEL_ROW_LIMITS.torch_int4) on a probe input. It does for
-    outputs in multiples of 64 (the default model's); narrower ones go through the kernel's
-    tail tiles, which round apart."""
+    product, for every row count from 1 to FUSED_PROBE_ROWS on a probe input (a step of more
+    rows calls the layers one by one). It does for outputs in multiples of 64 (the default
+    model's); narrower ones go through the kernel's tail tiles, which round apart."""
     probe = torch.Generator().manual_seed(0)
-    for rows in range(1, KERNEL_ROW_LIMITS.torch_int4 + 1):
+    for rows in range(1, FUSED_PROBE_ROWS + 1):
         x = torch.randn(rows, linears[0].in_features, generator=probe)
         separate = torch.cat([linear.int4(x) for linear in linears], dim=1)
         if not torch.equal(separate, fused(x)):
