@@ -71,6 +71,9 @@ class FieldFlags:
                 raise TypeError(f"{field}: a flag can only turn a bool on; write the --no- flag out")
             return self.group.add_argument(flag, action="store_true", dest=field, help=help)
         if typing.get_origin(kind) is list:
+            if default:
+                # argparse's append adds to the default: the flag could never clear those values.
+                raise TypeError(f"{field}: a repeatable flag needs an empty default; write the flag out")
             return self.group.add_argument(flag, action="append", default=default, dest=field, help=help)
         return self.group.add_argument(flag, type=None if kind is str else kind, choices=choices, default=default,
                                        dest=field, help=help)
@@ -81,7 +84,8 @@ class DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         shown = shown_default(action)
-        return f"{action.help} (default: {shown})" if shown and action.help else action.help
+        # argparse %-formats help strings: a default's own % (a percentage, a format) is text.
+        return f"{action.help} (default: {shown.replace('%', '%%')})" if shown and action.help else action.help
 
 
 def shown_default(action: argparse.Action) -> str:

@@ -157,3 +157,23 @@ def test_flag_table_check_fails_on_a_stale_table_and_write_mends_it(tmp_path, mo
     written = stale.read_text()
     assert written.startswith("# Configuration\n\n") and written.endswith(f"{script.END}\n\nAfter.\n")
     assert "| `--port` | 8000 | port to listen on |" in written
+
+
+def test_a_default_with_a_percent_sign_does_not_break_help():
+    @dataclasses.dataclass
+    class Settings:
+        log_format: str = "%(message)s"
+
+    parser = cli_options.argparse.ArgumentParser(formatter_class=cli_options.DefaultsShown)
+    cli_options.FieldFlags(parser, Settings).add("log_format", "how log lines look")
+    assert "(default: %(message)s)" in parser.format_help()
+
+
+def test_a_repeatable_flag_must_start_empty():
+    @dataclasses.dataclass
+    class Settings:
+        origins: list[str] = dataclasses.field(default_factory=lambda: ["https://a.example"])
+
+    parser = cli_options.argparse.ArgumentParser()
+    with pytest.raises(TypeError, match="repeatable"):
+        cli_options.FieldFlags(parser, Settings).add("origins", "allowed origins")
