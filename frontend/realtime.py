@@ -103,7 +103,10 @@ class RealtimeSession:
         self.send_lock = asyncio.Lock()
         # Event ids go out with every token: the session's random id plus a counter is as
         # unique as a fresh uuid4 per event, without a urandom call on the hot path.
-        self._event_ids = (f"event_{self.session['id'][5:]}_{n}" for n in itertools.count())
+        # (A prefix and a counter, not a generator over self: that would hold the session in
+        # a reference cycle until the collector's full pass.)
+        self._event_id_prefix = f"event_{self.session['id'][5:]}_"
+        self._event_numbers = itertools.count()
 
     # What the conversation holds, read through the session.
     @property
@@ -389,7 +392,7 @@ class RealtimeSession:
     # ---- sending ------------------------------------------------------------------------
 
     async def send(self, event: dict) -> None:
-        event = {"event_id": next(self._event_ids), **event}
+        event = {"event_id": f"{self._event_id_prefix}{next(self._event_numbers)}", **event}
         async with self.send_lock:
             if self.ws.application_state != WebSocketState.CONNECTED:
                 return
