@@ -1,5 +1,5 @@
-"""Ended requests reach the workers in batches: the decoder's aborts first, so an encoder slow
-to take its releases does not keep KV blocks held and work running for requests that ended."""
+"""Ended requests reach the workers in batches, each worker's on its own: an encoder slow to
+take its releases does not keep KV blocks held and work running for requests that ended."""
 
 import asyncio
 
@@ -22,7 +22,17 @@ class Workers:
         self.sent.append((worker, decode(data)))
 
 
-async def test_aborts_go_out_before_releases_and_do_not_wait_for_the_encoder():
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def stop(sender: asyncio.Task) -> None:
+    sender.cancel()
+    await asyncio.gather(sender, return_exceptions=True)
+
+
+async def test_aborts_do_not_wait_for_an_encoder_that_blocks():
     workers = Workers()
     ended = EndedRequests(workers)
     sender = asyncio.ensure_future(ended.send())
@@ -30,17 +40,20 @@ async def test_aborts_go_out_before_releases_and_do_not_wait_for_the_encoder():
         ended.release_items("a")
         ended.abort("a")
         ended.abort("b")
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert [worker for worker, _ in workers.sent] == ["decoder"]
+        await settle()
+        assert workers.sent == [("decoder", protocol.AbortRequests(["a", "b"]))]
         assert ended.abort_messages_sent == 1  # one message for the batch
+        # Requests that end while the encoder still blocks: their aborts go out too.
+        ended.release_items("c")
+        ended.abort("c")
+        await settle()
+        assert workers.sent[-1] == ("decoder", protocol.AbortRequests(["c"]))
         workers.encoder_free.set()
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert workers.sent == [("decoder", protocol.AbortRequests(["a", "b"])),
-                                ("encoder", protocol.ReleaseItems(["a"]))]
+        await settle()
+        assert workers.sent[2:] == [("encoder", protocol.ReleaseItems(["a"])),
+                                    ("encoder", protocol.ReleaseItems(["c"]))]
     finally:
-        sender.cancel()
+        await stop(sender)
 
 
 async def test_a_lost_decoder_does_not_stop_the_releases():
@@ -58,8 +71,7 @@ async def test_a_lost_decoder_does_not_stop_the_releases():
     try:
         ended.abort("a")
         ended.release_items("a")
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await settle()
         assert [worker for worker, _ in workers.sent] == ["encoder"] and ended.abort_messages_sent == 0
     finally:
-        sender.cancel()
+        await stop(sender)
