@@ -114,9 +114,9 @@ async def unless_disconnected(gone: asyncio.Future, work):
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     try:
-        if task.cancelled():
+        if task.cancelled() and gone.done():
             raise ClientGone()
-        return task.result()
+        return task.result()  # a work that cancelled itself raises CancelledError here
     finally:
         # The task holds its exception, whose traceback holds this frame: without this the
         # request's frames would wait in that cycle for the collector's full pass.
