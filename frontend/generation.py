@@ -155,7 +155,7 @@ class GenerationService:
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         normalized = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         # Tools, tool calls and tool answers: rendered by the template when it knows them,
-        # else written into the conversation in the Hermes format (frontend/tool_specs.py).
+        # else written into the conversation in the tool parser's format (frontend/tool_specs.py).
         normalized, extra = prepare_conversation(normalized, tools, self.native_tools, self.tool_parser)
         # Refused before tokenizing when the rendered text alone is too long; client text stays text.
         return self.template.token_ids(normalized, self.max_prompt_tokens, **extra)

@@ -1,8 +1,9 @@
 """Realtime function calling and structured output.
 
 A session's `tools` (Realtime's flat shape: type, name, description, parameters) and
-`tool_choice` work as in chat completions (frontend/tool_specs.py, frontend/tool_parsers/): the model writes Hermes
-`<tool_call>` blocks, forced by a grammar for "required" or a named function, and each call
+`tool_choice` work as in chat completions (frontend/tool_specs.py, frontend/tool_parsers/): the
+model writes calls in the server's tool-call format (Hermes' `<tool_call>` blocks), forced by
+a grammar for "required" or a named function, and each call
 streams out as a `function_call` output item (`response.function_call_arguments.delta` /
 `.done`). The client answers with a `function_call_output` item and asks for the next
 response. Extension: `response_format` (chat's shape) constrains a session's or one

@@ -2,8 +2,8 @@
 
 It admits exactly calls as the server's tool parser writes them (its call_opening, the
 arguments, its call_closing; frontend/tool_parsers/), each call's arguments held to its tool's
-parameters schema, so a forced answer always parses into calls. It is compiled and bounded like any client grammar
-(frontend/structured_output.py, forced_call_grammar).
+parameters schema, so a forced answer always parses into calls. It is compiled and bounded
+like any client grammar (frontend/structured_output.py, forced_call_grammar).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ DEFAULT_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def tool_call_grammar(tools: list[dict], tool_choice, parallel_tool_calls: bool, parser: ToolParser) -> str | None:
-    """EBNF that admits exactly a call (or, with parallel_tool_calls, calls one per line) of any
+    """EBNF that admits exactly a call (or, with parallel_tool_calls, calls apart by the
+    parser's call_separator) of any
     tool for "required", of the named tool for a named choice; None when the model may choose.
     The JSON is compact with no free whitespace, which a small model can repeat forever."""
     if tool_choice in (None, "auto", "none"):

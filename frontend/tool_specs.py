@@ -118,8 +118,8 @@ def _text_message(message: dict, index: int, parser: ToolParser) -> dict:
     if role == "assistant" and message.get("tool_calls"):
         blocks = [parser.call_text(function["name"], _arguments_value(function.get("arguments")))
                   for _, function in _called_functions(message, index)]
-        text = _text_of(content)
-        return {"role": "assistant", "content": "\n".join([text, *blocks] if text else blocks)}
+        calls, text = parser.call_separator.join(blocks), _text_of(content)
+        return {"role": "assistant", "content": f"{text}\n{calls}" if text else calls}
     return {"role": role, "content": _or_empty(content)}
 
 

@@ -18,6 +18,7 @@ from frontend.generation import TextChunk
 from frontend.realtime import RealtimeSession
 from frontend.realtime_events import ItemCreate, MessageItem, ResponseCancel, ResponseCreate
 from frontend.server_config import ServerConfig
+from frontend.tool_parsers import parser_for
 
 ANSWER = [TextChunk("Hello", [5]), TextChunk(" there", [6], finish_reason="stop", num_prompt_tokens=3,
                                              num_output_tokens=2)]
@@ -70,6 +71,7 @@ class ScriptedGeneration:
     tokenizer = WordTokenizer()
     floor = None  # counted by the tokenizer
     max_prompt_tokens = 8192
+    tool_parser = parser_for()
 
     def __init__(self, chunks: list[TextChunk]) -> None:
         self.admission = Admission(8)

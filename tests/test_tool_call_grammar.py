@@ -87,9 +87,13 @@ def test_required_admits_any_tool_and_parallel_calls_one_per_line(grammar_compil
 
 
 class BracketFormat(HermesToolParser):
-    """Another way of writing calls: the grammar and the prompt text follow the parser's."""
+    """Another way of writing calls (Hermes' reading of them kept: only the writing is under
+    test): the grammar and the prompt text follow the parser's."""
 
     call_separator = " "
+
+    def instructions(self, tools: list[dict]) -> str:
+        return f"Call one of {len(tools)} tools as [CALL name]{{arguments}}[/CALL]."
 
     def call_opening(self, name: str) -> str:
         return f"[CALL {name}]"
@@ -104,11 +108,15 @@ def test_the_grammar_writes_calls_as_the_servers_parser_does(grammar_compiler):
     call = '[CALL get_weather]{"city": "Paris", "unit": "celsius"}[/CALL]'
     assert admits(grammar_compiler, ebnf, f"{call} {call}")
     assert not admits(grammar_compiler, ebnf, PARIS_CALL) and not admits(grammar_compiler, ebnf, f"{call}\n{call}")
-    past = [{"role": "assistant", "content": None,
+    past = [{"role": "assistant", "content": "Checking both.",
              "tool_calls": [{"id": "c1", "type": "function",
-                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                            {"id": "c2", "type": "function",
+                             "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]}]
     messages, _ = prepare_conversation(past, [WEATHER], native=False, parser=brackets)
-    assert messages[-1]["content"] == '[CALL get_weather]{"city": "Paris"}[/CALL]'
+    assert messages[0] == {"role": "system", "content": "Call one of 1 tools as [CALL name]{arguments}[/CALL]."}
+    assert messages[-1]["content"] == ('Checking both.\n[CALL get_weather]{"city": "Paris"}[/CALL] '
+                                       '[CALL get_time]{"tz": "CET"}[/CALL]')
 
 
 def test_a_parameters_schema_xgrammar_cannot_enforce_is_an_error_naming_it():

@@ -1,9 +1,10 @@
 """Tool-call parsers by name, and the interface the handlers use (abstract_tool_parser.py).
 
-Handlers ask `parser_for(name)` and never name a format: adding one is a module here and a
-line in TOOL_PARSERS. "hermes" is the default because the prompt written for templates that
-do not render tools themselves asks for that format (frontend/tool_specs.py), and the grammar
-that forces a call writes it (frontend/tool_call_grammar.py).
+Handlers use the parser the generation service chose once (`parser_for(name)`) and never
+name a format: adding one is a module here and a line in TOOL_PARSERS. The parser also says
+how its format is written, so the prompt for templates that do not render tools themselves
+(frontend/tool_specs.py) and the grammar that forces a call (frontend/tool_call_grammar.py)
+follow it. "hermes" is the default: the format Qwen2.5's own chat template asks for.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class ToolParser(ABC):
     def streaming(self) -> StreamingToolParser:
         """A fresh parser for one streamed answer."""
 
-    # How the format is written.
+    # How the format is written. A format defines all of these together, and its parse()
+    # reads back what they write: the prompt asks for it and the forcing grammar admits it.
 
     # Between two calls of one answer.
     call_separator = "\n"
