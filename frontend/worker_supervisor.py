@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from engine import protocol
 from engine.config import EngineConfig
+from engine.worker_sockets import SOCKET_NAMES, worker_flags
 from frontend.engine_errors import EngineUnavailable
 from frontend.restart_budget import RestartBudget
 
@@ -67,9 +68,7 @@ class WorkerSupervisor:
         # message queued for a worker that is gone, and shutdown closes every one.
         self.context = zmq.asyncio.Context.instance()
         self.context.setsockopt(zmq.LINGER, 0)
-        self.addresses = {name: f"ipc://{self.run_dir}/{name}"
-                          for name in ("decoder-in", "encoder-in", "talker-in", "outputs", "speech",
-                                       "encoder-asks", "embeddings")}
+        self.addresses = {name: f"ipc://{self.run_dir}/{name}" for name in SOCKET_NAMES}
         self.workers = VOICE_WORKERS if config.voice else WORKERS
         self.from_workers = self.context.socket(zmq.PULL)
         self.from_workers.bind(self.addresses["outputs"])
@@ -108,7 +107,7 @@ class WorkerSupervisor:
         coroutine: the clients' own tasks) in that order, then the workers; a background task
         that stops is fatal."""
         self.reader = asyncio.create_task(self._read_outputs(), name="worker-outputs")
-        watchdog = asyncio.create_task(self.watch_liveness(), name="worker-watchdog")
+        watchdog = asyncio.create_task(self._watch_liveness(), name="worker-watchdog")
         self._background = [self.reader, watchdog, *(asyncio.create_task(coroutine, name=name)
                                                      for name, coroutine in background)]
         for task in self._background:
@@ -140,15 +139,7 @@ class WorkerSupervisor:
         socket.bind(self.addresses[f"{worker}-in"])
         self.to_workers[worker] = socket
         config = json.dumps(asdict(self.config))
-        if worker == "decoder":
-            args = ["-m", "workers.decoder_process", "--config", config,
-                    "--encoder-asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
-        elif worker == "talker":
-            args = ["-m", "workers.talker_process", "--config", config, "--speech", self.addresses["speech"]]
-        else:
-            args = ["-m", "workers.encoder_process", "--config", config,
-                    "--asks", self.addresses["encoder-asks"], "--embeddings", self.addresses["embeddings"]]
-        args += ["--input", self.addresses[f"{worker}-in"], "--output", self.addresses["outputs"]]
+        args = ["-m", f"workers.{worker}_process", "--config", config, *worker_flags(worker, self.addresses)]
         event = self._ready_events[worker] = asyncio.Event()
         process = await asyncio.create_subprocess_exec(sys.executable, *args)
         self.processes[worker] = process
@@ -328,7 +319,7 @@ class WorkerSupervisor:
         if worker in self._last_heard:
             self._last_heard[worker] = time.monotonic()
 
-    async def watch_liveness(self) -> None:
+    async def _watch_liveness(self) -> None:
         interval = min(protocol.HEARTBEAT_INTERVAL_S, self.worker_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)

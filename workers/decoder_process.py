@@ -14,8 +14,6 @@ Run by the frontend as `python -m workers.decoder_process --config JSON --input 
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import time
@@ -27,7 +25,7 @@ from engine.config import EngineConfig
 from engine.input_processor import to_request
 from engine.warm_up import warm_up
 from workers import heap
-from workers.process_guard import run_worker, start_worker_process
+from workers.worker_loop import worker_main
 
 logger = logging.getLogger("antiphon.decoder")
 
@@ -177,17 +175,8 @@ class DecoderWorker:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--encoder-asks")
-    parser.add_argument("--embeddings")
-    args = parser.parse_args()
-    start_worker_process("decoder")
-    worker = DecoderWorker(EngineConfig(**json.loads(args.config)), args.input, args.output,
-                           args.encoder_asks, args.embeddings)
-    run_worker("decoder", worker)
+    worker_main("decoder", lambda config, addresses: DecoderWorker(
+        config, addresses.input, addresses.output, addresses.encoder_asks, addresses.embeddings))
 
 
 if __name__ == "__main__":

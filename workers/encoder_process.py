@@ -213,7 +213,7 @@ class EncoderWorker:
 
 
 def main() -> None:
-    worker_main("encoder", ("input", "asks", "embeddings", "output"), EncoderWorker)
+    worker_main("encoder", EncoderWorker)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ class TalkerWorker:
 
 
 def main() -> None:
-    worker_main("talker", ("input", "output", "speech"), TalkerWorker)
+    worker_main("talker", TalkerWorker)
 
 
 if __name__ == "__main__":

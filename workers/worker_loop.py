@@ -1,4 +1,5 @@
-"""The main loop of a worker process that serves the frontend's messages (the encoder, the talker).
+"""The main loop of a worker process that serves the frontend's messages (the encoder, the
+talker), and every worker's `main` (worker_main: its flags, from engine/worker_sockets.py).
 
 The loop owns the worker's ZeroMQ context and sockets: the input socket from the frontend, the
 output socket back to it (ready, heartbeats, what the worker reports) and whatever other
@@ -8,8 +9,9 @@ lets the worker work, and beats if a beat is due. A Shutdown on the input socket
 an input that does not decode is logged and skipped. The worker keeps only what is its own:
 what it loads, how it handles a message, what it does with a turn.
 
-The decoder runs a loop of its own (workers/decoder_process.py): its wake-ups follow its
-steps, any output it sends counts as a beat, and an input it cannot decode fails it.
+The decoder runs a loop of its own (workers/decoder_process.py), though it starts through
+worker_main: its wake-ups follow its steps, any output it sends counts as a beat, and an input
+it cannot decode fails it.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import msgspec
 import zmq
 
 from engine import protocol
+from engine.config import EngineConfig
+from engine.worker_sockets import WORKER_SOCKETS
+from workers.process_guard import run_worker, start_worker_process
 
 # How long closing may wait to deliver what the output socket still holds (a failure report).
 OUTPUT_LINGER_MS = 1000
-from engine.config import EngineConfig
-from workers.process_guard import run_worker, start_worker_process
 
 Receive = Callable[[list[zmq.Frame]], None]
 
@@ -136,15 +139,14 @@ class WorkerLoop:
         self.context.term()
 
 
-def worker_main(name: str, address_names: tuple[str, ...],
-                make_worker: Callable[[EngineConfig, argparse.Namespace], object]) -> None:
-    """The `main` of `python -m workers.<name>_process --config JSON --<address> ADDR ...`:
-    reads the arguments, ties the process to the frontend and runs the worker
-    (workers/process_guard.py)."""
+def worker_main(name: str, make_worker: Callable[[EngineConfig, argparse.Namespace], object]) -> None:
+    """The `main` of `python -m workers.<name>_process --config JSON --<socket> ADDR ...` (its
+    sockets: engine/worker_sockets.py): reads the arguments, ties the process to the frontend
+    and runs the worker (workers/process_guard.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
-    for address in address_names:
-        parser.add_argument(f"--{address}", required=True)
+    for flag in WORKER_SOCKETS[name]:
+        parser.add_argument(f"--{flag}", required=True)
     args = parser.parse_args()
     start_worker_process(name)
     worker = make_worker(EngineConfig(**json.loads(args.config)), args)

@@ -296,4 +296,4 @@ class Int4Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 groups of {GROUP_SIZE}, {'native' if self.int4.native else 'torch'} kernel "
-                f"({self.batched.dtype} copy above {self.int4.kernel_max_rows} rows and for prompt tokens)")
+                f"({self.batched.dtype} copy above the step's row limit for it and for prompt tokens)")

@@ -56,9 +56,8 @@ LEAN_MODELS = {
 
 # The row counts the load-time probe checks a fused group of torch's 4-bit kernel at: the
 # engine's limit for that kernel (row_layout.KERNEL_ROW_LIMITS). A step given a higher limit
-# (a test's or a benchmark's layout) calls that group's layers one by one past it. (The C++
-# stack serves only where the native library is built, whose 4-bit layers take the native
-# kernel: its fused groups are never torch's.)
+# (a test's or a benchmark's layout) calls that group's layers one by one past it, and the C++
+# stack is given no such group (_ProductGroup.native_fused).
 FUSED_PROBE_ROWS = row_layout.KERNEL_ROW_LIMITS.torch_int4
 
 # x float32 and its bfloat16 copy (None where no product of the group takes one) -> float32.
@@ -247,8 +246,10 @@ class _ProductGroup:
 
     @property
     def native_fused(self) -> tuple | None:
-        """The fused product as decode_stack.cpp's fuse_group takes it."""
-        if self.fused is None:
+        """The fused product as decode_stack.cpp's fuse_group takes it: on the native kernel
+        only, whose columns equal the separate products' at any row count (the stack fuses at
+        any count; torch's kernel is checked only up to FUSED_PROBE_ROWS)."""
+        if self.fused is None or not self.fused[0].native:
             return None
         product, bias, sizes = self.fused
         return product.codes, product.scales, bias, sizes
