@@ -4,10 +4,10 @@ over minutes, so each round runs both commits back to back, in alternating order
 
 The base commit is checked out once into $ANTIPHON_CACHE/ab/<commit> (a git worktree); the
 other side is this checkout as it is, or with --head a commit checked out the same way (so
-that editing this checkout during a run does not change what it measures). Each process loads the default model, waits for its
-checkout's native library (a first run builds it, minutes on two cores), warms up, then times:
-one greedy stream of --max-tokens (decode tok/s after the first token) and 16 streams of as many
-tokens (total tok/s, prompts included). Prints each figure's median per commit and the ratio
+that editing this checkout during a run does not change what it measures). Each process loads
+the default model, waits for its checkout's native library (a first run builds it, minutes on
+two cores), warms up, then times: one greedy stream of --max-tokens (decode tok/s after the
+first token) and 16 streams of as many tokens (total tok/s, prompts included). Prints each figure's median per commit and the ratio
 head / base. A change that is structure only should show ratios within the noise (the spread
 of a commit's own rounds, printed beside it).
 
@@ -89,7 +89,7 @@ def measure(checkout: Path, mode: str, max_tokens: int, threads: int) -> dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--base", required=True, help="the commit to compare with")
     parser.add_argument("--head", help="a commit to measure instead of this checkout as it is")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["auto", "none"])
@@ -106,14 +106,15 @@ def main() -> None:
                     results.setdefault((mode, metric, side), []).append(value)
         # The table so far after every round: a run cut short still says what it measured.
         print(f"after round {rep + 1} of {args.reps}:", flush=True)
-        print_table(results, args.modes, args.base)
+        print_table(results, args.modes, args.base, args.head or "this checkout")
 
 
-def print_table(results: dict[tuple[str, str, str], list[float]], modes: list[str], base_name: str) -> None:
+def print_table(results: dict[tuple[str, str, str], list[float]], modes: list[str], base_name: str,
+                head_name: str) -> None:
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
-    print(f"| mode | figure | base {base_name} | head | head / base |")
+    print(f"| mode | figure | base {base_name} | head {head_name} | head / base |")
     print("|---|---|---|---|---|")
     for mode in modes:
         for metric in ("1 stream decode tok/s", "16 streams total tok/s"):
