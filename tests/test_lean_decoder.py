@@ -1,6 +1,7 @@
 """The lean CPU forward (workers/cpu/lean_forward.py) and its C++ decode stack
 (workers/cpu/native_library.py) give bitwise the logits of the model's own forward, in every CPU
-mode, on every kind of step the engine schedules."""
+mode, on every kind of step the engine schedules. (Over 500 lines, as one file: every test runs
+the same parity harness, both forwards side by side on one model's steps.)"""
 
 import os
 
