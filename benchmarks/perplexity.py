@@ -83,13 +83,20 @@ def perplexity(model, token_ids: list[int], window: int = 512) -> float:
 
 
 def measure(modes: list[str], window: int, kv_cache_dtype: str = "auto") -> dict[str, tuple[float, str]]:
-    """mode -> (perplexity, the KV cache's dtype when served)."""
+    """mode -> (perplexity, the KV cache's dtype when served), for the modes this CPU serves
+    (the engine refuses the others: bf16 and int8 without a bfloat16 product, say)."""
+    from workers.cpu.linear_modes import resolve_quantization
     from workers.cpu.row_layout import KernelRowLimits, StepRows
     from workers.forward_context import set_forward_context
     from workers.kv_cache_dtype import name
 
     results = {}
     for mode in modes:
+        try:
+            resolve_quantization(mode, torch.device("cpu"))
+        except ValueError as refused:
+            print(f"{mode}: not measured, this CPU does not serve it ({refused})", flush=True)
+            continue
         model, tokenizer, kv_dtype = load_text_model(mode, kv_cache_dtype)
         token_ids = tokenizer(TEXT.read_text())["input_ids"]
         # 4-bit layers run their copy above a kernel's row limit (workers/cpu/row_layout.py);
