@@ -22,7 +22,7 @@ from tests.tiny_models import save_multi_eos_checkpoint, save_tiny_checkpoint  #
 # for the bfloat16 copy are skipped. A test needs them when it names one (in
 # its name or a parameter) or is listed here.
 _BF16_MODE_WORDS = ("bf16", "int4", "int8", "4bit", "packed", "bfloat16_copy")
-_NEEDS_BF16_MODES = {"test_cpu_int4.py"}
+_NEEDS_BF16_MODES = {"test_cpu_int4.py", "test_cpu_output_layer.py"}
 _NEEDS_BF16_MODE_TESTS = {"test_the_runner_marks_where_a_steps_prompt_tokens_begin"}
 
 

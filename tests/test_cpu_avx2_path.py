@@ -147,3 +147,43 @@ def test_decode_steps_past_the_kernels_rows_take_the_float32_copy_and_match_the_
     assert [rows for rows, equal in steps if not equal] == []
     assert {11, 12} & {rows for rows, _ in steps}  # steps past the kernel's 10 rows ran
     assert runner.lean.native.steps > 20
+
+
+def test_without_a_bfloat16_product_greedy_steps_pick_from_a_four_bit_copy_and_keep_the_float32_winner(monkeypatch):
+    """On such a CPU `auto` keeps the default model's output matrix float32, but a greedy step
+    picks each row's candidates from a 4-bit copy on the native kernel (an eighth of the bytes
+    read) and rescores them in float32: the winner is the float32 argmax of the whole row at
+    every position of benchmarks/data/english.txt. Other steps get the float32 logits as they are."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.checkpoint import ensure_default_model
+    from workers.cpu.output_layer import RescoredOutputLayer
+
+    if native_isa() == "none" or not native_library.int4_product_available():
+        pytest.skip("the native 4-bit kernel does not run here")
+    for module in (linear_modes, int4):
+        monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: False)
+    path = ensure_default_model()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    text = (Path(__file__).parent.parent / "benchmarks" / "data" / "english.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, :1024]
+    with torch.inference_mode():
+        hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
+        exact_logits = model.lm_head(hidden)
+    prepare_linear_layers(model, "none", int4_where_exact=True)
+    layer = model.lm_head
+    assert isinstance(layer, RescoredOutputLayer) and layer.approximate_is_exact
+    assert layer.selector.product.native
+    with torch.inference_mode():
+        # A sampling step: the float32 product, nothing rescored.
+        torch.testing.assert_close(layer(hidden[:5]), exact_logits[:5], rtol=1e-5, atol=1e-4)
+        layer.greedy_step = True
+        picked = []
+        for rows in hidden.split(64):
+            layer(rows)
+            picked.append(layer.greedy_winners)
+    assert len(hidden) > 700
+    assert torch.equal(torch.cat(picked), exact_logits.argmax(-1))

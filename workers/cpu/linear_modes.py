@@ -145,11 +145,16 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if module is output_layer and mode != "none" and can_pack():
-            # (Exact mode's output matrix is converted as its other layers, below.)
-            # Emulated bfloat16 would be slower than float32 (cpu_has_native_bf16).
+        if module is output_layer and (mode != "none" or serves_int4) and can_pack():
+            # (Exact mode's output matrix is converted as its other layers, below; `auto`'s
+            # too, unless the layers before it were served 4-bit: it is no longer exact then.)
+            # Emulated bfloat16 would be slower than float32 (cpu_has_native_bf16). Without it,
+            # where the native 4-bit kernel runs (AVX2), greedy steps still pick their
+            # candidates from a 4-bit copy: it reads 14 MB of the default model's matrix, not
+            # 113 (output_layer.py).
             if not cpu_has_native_bf16():
-                replacement = PackedLinear(module)
+                replacement = (RescoredOutputLayer(module, approximate_dtype=torch.float32)
+                               if int4_without_bfloat16() else PackedLinear(module))
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
                 replacement = RescoredOutputLayer(module)
@@ -197,6 +202,8 @@ def describe(layer: torch.nn.Module) -> str:
     if isinstance(layer, Int4Linear):
         return "int4"
     if isinstance(layer, RescoredOutputLayer):
+        if layer.approximate_is_exact:
+            return "output float32 (greedy candidates from a 4-bit copy)"
         return "output bf16 (top candidates float32)"
     if isinstance(layer, Float32Linear):
         return "float32 (native product)"

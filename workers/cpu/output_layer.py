@@ -55,10 +55,14 @@ class RescoredOutputLayer(torch.nn.Module):
     the rows listed in `full_precision_rows`. Those come from `linear`'s own float32 weight,
     kept as it is (for a tied model, the embedding table itself: no copy)."""
 
-    def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES, native_rescore: bool = False) -> None:
+    def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES, native_rescore: bool = False,
+                 approximate_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.approximate = PackedLinear(linear, torch.bfloat16)
+        # float32 on a CPU without a bfloat16 product: then only greedy steps take the 4-bit
+        # picker, and other steps' logits are float32 already (nothing to rescore).
+        self.approximate = PackedLinear(linear, approximate_dtype)
+        self.approximate_is_exact = approximate_dtype == torch.float32
         self.register_buffer("exact_weight", linear.weight.detach(), persistent=False)
         self.candidates = min(candidates, self.out_features)
         # Row indices (of this forward's output rows) computed wholly in float32; set per step
@@ -89,6 +93,8 @@ class RescoredOutputLayer(torch.nn.Module):
                 logits += bias
         else:
             logits = self.approximate(rows)
+            if self.approximate_is_exact:
+                return logits.view(*hidden.shape[:-1], self.out_features)
         candidates, exact = self._rescore(logits, rows, bias)  # [R, C] each
         if greedy:
             # Only the float32 candidates may win: a coarser 4-bit logit must not.
@@ -112,8 +118,9 @@ class RescoredOutputLayer(torch.nn.Module):
         return candidates, exact
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 with the top "
-                f"{self.candidates} logits of each row in float32"
+        approximate = "float32" if self.approximate_is_exact else "bfloat16 with the top"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {approximate} "
+                f"{'' if self.approximate_is_exact else f'{self.candidates} logits of each row in float32'}"
                 + (", greedy steps' candidates from a 4-bit copy" if self.selector is not None else ""))
 
 
