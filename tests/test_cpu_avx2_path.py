@@ -187,3 +187,39 @@ def test_without_a_bfloat16_product_greedy_steps_pick_from_a_four_bit_copy_and_k
             picked.append(layer.greedy_winners)
     assert len(hidden) > 700
     assert torch.equal(torch.cat(picked), exact_logits.argmax(-1))
+
+
+def test_without_a_bfloat16_product_the_engines_greedy_answers_are_the_float32_products(monkeypatch):
+    """Through the engine on the default model: greedy answers with the 4-bit picker are those
+    of the float32 product alone (the picker off), alone and in a batch; a row that asks for
+    log-probabilities gets the float32 product's logits whole."""
+    from engine import LLM, SamplingParams
+    from workers.cpu.output_layer import RescoredOutputLayer
+
+    if native_isa() == "none" or not native_library.int4_product_available():
+        pytest.skip("the native 4-bit kernel does not run here")
+    for module in (linear_modes, int4):
+        monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
+    monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: False)
+    llm = LLM(quantization="auto")
+    layer = llm.engine.core.executor.model.get_output_embeddings()
+    assert isinstance(layer, RescoredOutputLayer) and layer.approximate_is_exact and layer.selector is not None
+    prompts = [[(11 * i + 5 * p) % 4000 + 100 for i in range(24)] for p in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def answers():
+        alone = [llm.generate([prompt], greedy)[0].token_ids for prompt in prompts]
+        batched = [out.token_ids for out in llm.generate(prompts, greedy)]
+        mixed = llm.generate(prompts[:1], with_logprobs)[0]
+        return alone, batched, mixed
+
+    picked_alone, picked_batched, picked_mixed = answers()
+    selector, layer.selector = layer.selector, None  # the picker off: the float32 product only
+    try:
+        product_alone, product_batched, product_mixed = answers()
+    finally:
+        layer.selector = selector
+    assert picked_alone == product_alone and picked_batched == product_batched
+    assert picked_mixed.token_ids == product_mixed.token_ids
+    assert picked_mixed.logprobs == product_mixed.logprobs

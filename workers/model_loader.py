@@ -39,7 +39,8 @@ def resolve_dtype(dtype: str, model_config, device: torch.device) -> torch.dtype
 
 def choose_native_parts(model: torch.nn.Module) -> None:
     """The norms and the output layer's rescoring of a float32 CPU model: native where its
-    layers are (native_library.takes_native_kernels), else torch's; once, for its lifetime."""
+    layers are (native_library.takes_native_kernels) and the CPU has AVX-512F (on an AVX2 CPU
+    the rescoring stays torch's), else torch's; once, for its lifetime."""
     native = native_library.takes_native_kernels(model)
     fuse_rms_norms(model, native=native and native_library.rms_norm_available())
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -61,7 +61,8 @@ class ModelRunner:
                  decode_graphs: str = "off", max_graph_batch_size: int = 256,
                  max_model_len: int | None = None) -> None:
         self.model = model
-        # A bfloat16 output layer (fast CPU modes) to be told which rows need float32 logits.
+        # A rescored output layer (fast CPU modes: workers/cpu/output_layer.py) to be told which
+        # rows need float32 logits and which steps are plain greedy.
         output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.rescored_output = output_layer if isinstance(output_layer, RescoredOutputLayer) else None
         self.use_kernels = attention_backend == "triton"
@@ -195,7 +196,7 @@ class ModelRunner:
             if constrained:
                 masks = self.structured.start_step(len(rows), constrained)
         # Rows whose logits the sampler changes (or returns as log-probabilities) need every
-        # logit exact where the output layer is bfloat16 (workers/cpu/output_layer.py).
+        # logit exact where the output layer is rescored (workers/cpu/output_layer.py).
         exact_rows, greedy_step = [], False
         if self.rescored_output is not None:
             exact_rows = [index for index, (row, state) in enumerate(zip(batch.sample_rows, rows))

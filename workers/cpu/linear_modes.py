@@ -29,8 +29,9 @@ and benchmarks/perplexity.py):
   is exact there.
 
 Outside exact mode, on a CPU with native bfloat16, the output matrix (lm_head) is bfloat16
-with each row's top candidates recomputed in float32 (output_layer.py); otherwise it is
-float32, as exact mode's other layers (or oneDNN-packed). Tied to the token embedding table,
+with each row's top candidates recomputed in float32 (output_layer.py); without it, float32,
+whose greedy steps pick their winners from a 4-bit copy where the native 4-bit kernel runs
+(AVX2; output_layer.py); in exact mode float32, as the other layers (or oneDNN-packed). Tied to the token embedding table,
 it is held as a copy in its kernel's layout; the table keeps its float weights for lookups
 (and for those exact candidates).
 """
@@ -122,9 +123,8 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
 
     `int4_where_exact` (what `auto` asks for): a layer whose weights already lie on the 4-bit
     grid (a checkpoint converted from a Q4_1 GGUF file) becomes 4-bit with no loss in its
-    codes where `auto_serves_int4(mode)`; the others take `mode`. Outside exact mode, on a CPU with native bfloat16, the
-    output matrix is bfloat16 with its top candidates recomputed in float32
-    (output_layer.py); otherwise it is float32 (in exact mode like the other layers)."""
+    codes where `auto_serves_int4(mode)`; the others take `mode`. The output matrix: see the
+    module's docstring (`auto` keeps it exact unless the layers before it went 4-bit)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     counts: dict[str, int] = {}
@@ -139,6 +139,8 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
     names = [name for name, module in model.named_modules()
              if name and type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
              and module.weight.device.type == "cpu"]
+    # The output layer last: its form depends on whether the layers before it went 4-bit.
+    names.sort(key=lambda name: model.get_submodule(name) is output_layer)
     # One at a time, so each original weight is freed as its replacement is made (peak memory
     # is the model plus one matrix, not twice the model).
     for name in names:
@@ -153,8 +155,7 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
             # candidates from a 4-bit copy: it reads 14 MB of the default model's matrix, not
             # 113 (output_layer.py).
             if not cpu_has_native_bf16():
-                replacement = (RescoredOutputLayer(module, approximate_dtype=torch.float32)
-                               if int4_without_bfloat16() else PackedLinear(module))
+                replacement = _float32_output_layer(module)
             else:
                 # Tied or not, its float32 weights serve the exact candidates (no copy).
                 replacement = RescoredOutputLayer(module)
@@ -169,6 +170,18 @@ def prepare_linear_layers(model: torch.nn.Module, mode: str, int4_where_exact: b
         counts[kind] = counts.get(kind, 0) + 1
         del module
     return counts
+
+
+def _float32_output_layer(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The output layer outside exact mode on a CPU without native bfloat16: float32, with
+    greedy steps' winners picked from a 4-bit copy where the native 4-bit kernel takes the
+    matrix (output_layer.py); plain float32 where it does not (no native kernel, a shape off
+    its tiles, scales outside float16), since torch's 4-bit kernel would need bfloat16 input."""
+    if int4_without_bfloat16():
+        layer = RescoredOutputLayer(linear, approximate_dtype=torch.float32)
+        if layer.selector is not None and layer.selector.product.native:
+            return layer
+    return PackedLinear(linear)
 
 
 def native_float32_available() -> bool:

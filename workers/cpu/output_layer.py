@@ -1,4 +1,5 @@
-"""The output matrix (lm_head) in bfloat16, with the likeliest tokens' logits in float32.
+"""The output matrix (lm_head) in bfloat16, with the likeliest tokens' logits in float32; or,
+on a CPU without a bfloat16 product, in float32 with greedy steps' winners picked as below.
 
 The output matrix is the largest one of a small model (SmolLM2-135M: 113 MB of its 538 in
 float32), so the fast CPU modes read it in bfloat16. But bfloat16 logits are coarse (steps of
@@ -22,13 +23,21 @@ candidates come from a 4-bit copy of the matrix (a quarter of bfloat16's bytes: 
 kernel 1.6 vs 4.0 ms for the default model's one row with caches flushed), the other logits
 are set to -inf, and the winner is the float32 maximum over the candidates (the runner takes it
 from `greedy_winners` instead of an argmax over the row). It differs from
-the bfloat16 path's only if the float32 winner is not among the 4-bit copy's 32 highest
+the whole row's float32 argmax only if the float32 winner is not among the 4-bit copy's 32 highest
 logits: at none of the 865 positions of benchmarks/data/english.txt on the default model
 (tests/test_cpu_int4.py). The copy is lossy (the default model's output matrix is 8-bit in
 its GGUF file), which is why it only picks.
 
-In a model whose layers run native products (the loader decides: AVX-512F, the native
-library), the candidates are picked and rescored by csrc/rescore_top.cpp: one pass over each
+On a CPU without a bfloat16 product where the native 4-bit kernel runs (AVX2), the matrix
+stays float32 (`approximate_is_exact`): steps that are not plain greedy take its logits as they
+are, and plain greedy steps pick their winners as above, reading the 4-bit copy (14 MB of the
+default model's matrix) instead of the float32 one (113 MB). A greedy row's token then comes
+from the picker when every row of its step is plain greedy and from the float32 product when
+another request in the step samples, asks for log-probabilities or is constrained: they differ
+only where the picker misses the float32 winner, which it did at none of the 865 positions.
+
+In a model whose layers run native products on an AVX-512F CPU (the loader decides), the
+candidates are picked and rescored by csrc/rescore_top.cpp: one pass over each
 row's logits and a dot product per candidate read in place (~2 ms less than torch's topk,
 gather and batched product in a 16-row step). Both return the candidates in ascending index
 order, so the first float32 maximum among them is the lowest index, as an argmax over the
@@ -52,8 +61,10 @@ EXACT_CANDIDATES = 32
 
 class RescoredOutputLayer(torch.nn.Module):
     """`nn.Linear` for logits: bfloat16 product, float32 for each row's top candidates and for
-    the rows listed in `full_precision_rows`. Those come from `linear`'s own float32 weight,
-    kept as it is (for a tied model, the embedding table itself: no copy)."""
+    the rows listed in `full_precision_rows` (or, with `approximate_dtype` float32, a float32
+    product whose greedy steps pick from the 4-bit copy). The float32 values come from
+    `linear`'s own float32 weight, kept as it is (for a tied model, the embedding table itself:
+    no copy; an untied matrix is then held twice, as it is and packed)."""
 
     def __init__(self, linear: torch.nn.Linear, candidates: int = EXACT_CANDIDATES, native_rescore: bool = False,
                  approximate_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -83,7 +94,9 @@ class RescoredOutputLayer(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features).float()
         bias = self.approximate.bias
-        if len(self.full_precision_rows) == rows.shape[0]:  # every row exact: skip the bfloat16 pass
+        if len(self.full_precision_rows) == rows.shape[0] and not self.approximate_is_exact:
+            # Every row exact: skip the bfloat16 pass. (A float32 product serves them as it
+            # serves every other step, so a row's logits do not depend on its batchmates.)
             return F.linear(rows, self.exact_weight, bias).view(*hidden.shape[:-1], self.out_features)
         greedy = (self.greedy_step and self.selector is not None
                   and rows.shape[0] <= self.selector.product.kernel_max_rows)
@@ -118,9 +131,9 @@ class RescoredOutputLayer(torch.nn.Module):
         return candidates, exact
 
     def extra_repr(self) -> str:
-        approximate = "float32" if self.approximate_is_exact else "bfloat16 with the top"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {approximate} "
-                f"{'' if self.approximate_is_exact else f'{self.candidates} logits of each row in float32'}"
+        kind = ("float32" if self.approximate_is_exact
+                else f"bfloat16 with the top {self.candidates} logits of each row in float32")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
                 + (", greedy steps' candidates from a 4-bit copy" if self.selector is not None else ""))
 
 
