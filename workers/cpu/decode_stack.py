@@ -34,7 +34,7 @@ def decode_stack(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         stack.add_layer(input_norm, input_eps, post_norm, post_eps, native_norm, layer.scaling, key_cache,
                         value_cache)
         for group in layer.groups:
-            stack.add_group()
+            stack.add_group(group.rounds_always, group.rounds_above)
             for kind, *tensors in group.native_parts:
                 stack.add_product(int(kind), *tensors)
             if group.native_fused is not None:

@@ -223,7 +223,8 @@ class _ProductGroup:
         kinds = {description[0] for description in self.native_parts if description is not None}
         # Whether the bfloat16 copy of the input is needed at all row counts, or above
         # the native kernel's rows limit only (it takes float32; its batched copy bfloat16, or
-        # float32 where the CPU has no bfloat16 product).
+        # float32 where the CPU has no bfloat16 product). The C++ stack is given these too
+        # (decode_stack.py): the one place the rule is derived.
         self.rounds_always = bool(kinds & {ProductKind.TORCH_INT4, ProductKind.PACKED_BF16})
         self.rounds_above = any(description[0] == ProductKind.NATIVE_INT4
                                 and description[3].dtype == torch.bfloat16

@@ -155,9 +155,9 @@ struct Product {
 // 4-bit, their codes side by side: one kernel call for small steps, bitwise the same columns.
 struct ProductGroup {
   std::vector<Product> parts;
-  // Whether the products need the bfloat16 copy of the input at every row count (torch's
-  // 4-bit kernel, bfloat16 weights), or only where rows take its copy (the native 4-bit kernel
-  // takes float32, its batched copy bfloat16). Set by finish.
+  // Whether the products need the bfloat16 copy of the input at every row count, or only
+  // where rows take the native 4-bit kernel's copy: given by add_group, as lean_forward.py's
+  // _ProductGroup decides it (one rule for both forwards).
   bool rounds_always = false, rounds_above = false;
   c10::optional<Product> fused;
   std::vector<int64_t> sizes;  // output columns of each part within the fused product
@@ -229,10 +229,12 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // Groups are appended to the last layer in the order q/k/v, o, gate/up, down; products to
-  // the last group.
-  void add_group() {
+  // the last group. The flags say when the group's input is rounded to bfloat16 (ProductGroup).
+  void add_group(bool rounds_always, bool rounds_above) {
     TORCH_CHECK(!layers_.empty(), "add_layer first");
     layers_.back().groups.emplace_back();
+    layers_.back().groups.back().rounds_always = rounds_always;
+    layers_.back().groups.back().rounds_above = rounds_above;
   }
 
   void add_product(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
@@ -267,11 +269,6 @@ class DecodeStack : public torch::CustomClassHolder {
     for (Layer& layer : layers_) {
       for (ProductGroup& group : layer.groups) {
         for (const Product& p : group.parts) {
-          group.rounds_always = group.rounds_always || p.kind == kTorchInt4 || p.kind == kPackedBf16;
-          // (The native kernel's batched copy is float32 where the CPU has no bfloat16 product:
-          // then nothing rounds.)
-          group.rounds_above =
-              group.rounds_above || (p.kind == kNativeInt4 && p.batched.scalar_type() == at::kBFloat16);
           // Only the native kernels compute a row the same in any batch (oneDNN's blocking and
           // torch's 4-bit kernel may vary with the rows): the 4-bit one where the step's layout
           // puts every row on it, the float32 one below its oneDNN hand-off.
