@@ -154,11 +154,7 @@ def test_without_a_bfloat16_product_greedy_steps_pick_from_a_four_bit_copy_and_k
     picks each row's candidates from a 4-bit copy on the native kernel (an eighth of the bytes
     read) and rescores them in float32: the winner is the float32 argmax of the whole row at
     every position of benchmarks/data/english.txt. Other steps get the float32 logits as they are."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.checkpoint import ensure_default_model
+    from tests.test_cpu_output_layer import english_text_hidden_states
     from workers.cpu.output_layer import RescoredOutputLayer
 
     if native_isa() == "none" or not native_library.int4_product_available():
@@ -166,12 +162,8 @@ def test_without_a_bfloat16_product_greedy_steps_pick_from_a_four_bit_copy_and_k
     for module in (linear_modes, int4):
         monkeypatch.setattr(module, "can_pack_bf16", lambda: False)
     monkeypatch.setattr(linear_modes, "cpu_has_native_bf16", lambda: False)
-    path = ensure_default_model()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    text = (Path(__file__).parent.parent / "benchmarks" / "data" / "english.txt").read_text()
-    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, :1024]
+    model, hidden = english_text_hidden_states(1024)
     with torch.inference_mode():
-        hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
         exact_logits = model.lm_head(hidden)
     prepare_linear_layers(model, "none", int4_where_exact=True)
     layer = model.lm_head

@@ -192,9 +192,9 @@ def test_a_greedy_step_above_the_4bit_rows_takes_the_bfloat16_product(monkeypatc
     assert RescoredOutputLayer(torch.nn.Linear(64, 500)).selector is None
 
 
-def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text(int4_kernel, rescore):
-    """The default model's final hidden states at every position of benchmarks/data/english.txt:
-    the greedy path's winner is the float32 argmax of the whole row, at every one."""
+def english_text_hidden_states(max_positions: int):
+    """(the default model in float32, its final hidden states [positions, hidden] at the first
+    `max_positions` positions of benchmarks/data/english.txt, final norm applied)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,9 +204,16 @@ def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_en
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     text = (Path(__file__).parent.parent / "benchmarks" / "data" / "english.txt").read_text()
-    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, :2048]
+    ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, :max_positions]
     with torch.inference_mode():
-        hidden = model.model(input_ids=ids).last_hidden_state[0]  # [positions, hidden], final norm applied
+        return model, model.model(input_ids=ids).last_hidden_state[0]
+
+
+def test_the_4bit_candidates_hold_the_float32_winner_at_every_position_of_the_english_text(int4_kernel, rescore):
+    """The default model's final hidden states at every position of benchmarks/data/english.txt:
+    the greedy path's winner is the float32 argmax of the whole row, at every one."""
+    model, hidden = english_text_hidden_states(2048)
+    with torch.inference_mode():
         exact_winners = model.lm_head(hidden).argmax(-1)
         layer = RescoredOutputLayer(model.lm_head, native_rescore=rescore)
         assert layer.selector.product.native == int4_kernel
