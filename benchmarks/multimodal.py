@@ -215,7 +215,7 @@ def describe_model(path: Path, scale: Scale) -> dict:
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            pixels = torch.from_numpy(item.pixel_values)
+            pixels = torch.from_numpy(item.tower_input)
             grid = torch.tensor([item.grid])
             model.model.visual(pixels, grid_thw=grid)
             tower_s = min(_timed(lambda: model.model.visual(pixels, grid_thw=grid)) for _ in range(3))
@@ -231,7 +231,7 @@ def describe_model(path: Path, scale: Scale) -> dict:
     del model
     gc.collect()
     return dict(tower_params=tower, lm_params=lm, embedding_params=embedding, embeddings_per_image=item.num_embeddings,
-                patches_per_image=item.pixel_values.shape[0], flops_ratio=tower_flops / lm_flops,
+                patches_per_image=item.tower_input.shape[0], flops_ratio=tower_flops / lm_flops,
                 tower_ms_per_embedding=tower_s * 1000 / item.num_embeddings, lm_ms_per_token=lm_s * 1000 / n,
                 tower_ms_per_image=tower_s * 1000, max_embeddings=adapter.max_embeddings_per_item())
 

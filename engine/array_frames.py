@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from engine import protocol
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 
 
-def item_frames(items: list[ProcessedImage], cached: set[str] = frozenset()
+def item_frames(items: list[ProcessedItem], cached: set[str] = frozenset()
                 ) -> tuple[list[protocol.ItemHeader], list[memoryview]]:
     """Headers and pixel frames; items in `cached` go as headers alone."""
     headers, frames = [], []
@@ -22,14 +22,14 @@ def item_frames(items: list[ProcessedImage], cached: set[str] = frozenset()
             headers.append(protocol.ItemHeader(item.mm_hash, item.num_embeddings, list(item.grid), item.modality,
                                                "", []))
             continue
-        pixels = np.ascontiguousarray(item.pixel_values)
+        pixels = np.ascontiguousarray(item.tower_input)
         headers.append(protocol.ItemHeader(item.mm_hash, item.num_embeddings, list(item.grid), item.modality,
                                            pixels.dtype.str, list(pixels.shape)))
         frames.append(memoryview(pixels).cast("B"))
     return headers, frames
 
 
-def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[ProcessedImage]:
+def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[ProcessedItem]:
     """Raises ValueError if a frame does not match its header."""
     with_pixels = [h for h in headers if h.shape]
     if len(frames) != len(with_pixels):
@@ -38,7 +38,7 @@ def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[
     items = []
     for header in headers:
         if not header.shape:
-            items.append(ProcessedImage(header.mm_hash, header.num_embeddings, None, tuple(header.grid),
+            items.append(ProcessedItem(header.mm_hash, header.num_embeddings, None, tuple(header.grid),
                                         header.modality))
             continue
         frame = next(frames)
@@ -49,7 +49,7 @@ def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[
         if dtype.kind not in "fiu":
             raise ValueError(f"item {header.mm_hash[:16]} has a non-numeric dtype {header.dtype}")
         pixels = np.frombuffer(frame, dtype=dtype).reshape(header.shape)
-        items.append(ProcessedImage(header.mm_hash, header.num_embeddings, pixels, tuple(header.grid),
+        items.append(ProcessedItem(header.mm_hash, header.num_embeddings, pixels, tuple(header.grid),
                                     header.modality))
     return items
 

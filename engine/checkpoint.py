@@ -50,7 +50,7 @@ def load_tokenizer(path: Path):
 
 def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     """Every token id that ends generation: generation_config.json's, config.json's (and its
-    text_config's) and the tokenizer's, read from the files without loading weights.
+    text_config's, or its thinker's) and the tokenizer's, read from the files without loading weights.
 
     Chat checkpoints often list several (Llama 3: <|end_of_text|> and <|eot_id|>) while the
     tokenizer names only one; stopping on the tokenizer's alone runs past the end of a turn.
@@ -58,7 +58,9 @@ def eos_token_ids(path: Path, tokenizer) -> tuple[int, ...]:
     ids: set[int] = set()
     generation_config = _read_json(Path(path) / "generation_config.json")
     config = _read_json(Path(path) / "config.json")
-    for source in (generation_config, config, config.get("text_config") or {}):
+    # An omni checkpoint's text model is its thinker's.
+    thinker = config.get("thinker_config") or {}
+    for source in (generation_config, config, config.get("text_config") or {}, thinker.get("text_config") or {}):
         ids.update(_token_ids(source.get("eos_token_id")))
     ids.update(_token_ids(tokenizer.eos_token_id))
     return tuple(sorted(ids))

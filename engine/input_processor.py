@@ -3,8 +3,8 @@
 `make_engine_request` turns a tokenized prompt and its parameters into the wire struct the
 frontend sends to the decoder and the offline engine hands to its own core;
 `to_request` turns that struct into the scheduler's Request on the receiving side.
-`expand_images` turns a prompt with one image placeholder per image into the prompt the
-model sees (each placeholder repeated once per embedding) and the items for the encoder.
+`expand_items` turns a prompt with one placeholder per image or audio clip into the prompt
+the model sees (each placeholder repeated once per embedding) and the items for the encoder.
 """
 
 from __future__ import annotations
@@ -13,19 +13,23 @@ from collections.abc import Sequence
 
 import msgspec
 
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 from engine.protocol import EngineRequest
 from engine.request import MultiModalPlaceholder, Request
 from engine.sampling_params import SamplingParams
 
 
-def expand_images(adapter, token_ids: list[int], images: Sequence
-                  ) -> tuple[list[int], list[MultiModalPlaceholder], list[ProcessedImage]]:
-    """Preprocess decoded PIL images with the model's adapter and expand their placeholders.
-    CPU-heavy: never call it on an event loop. Raises ValueError naming the problem."""
+def expand_items(adapter, token_ids: list[int], images: Sequence = (), clips: Sequence = ()
+                 ) -> tuple[list[int], list[MultiModalPlaceholder], list[ProcessedItem]]:
+    """Preprocess decoded PIL images and `(samples, rate)` audio clips with the model's adapter
+    and expand their placeholders. CPU-heavy: never call it on an event loop. Raises
+    ValueError naming the problem."""
     if adapter is None:
-        raise ValueError("this model takes no images")
+        raise ValueError("this model takes no images or audio")
+    if clips and adapter.audio_token_id is None:
+        raise ValueError("this model takes no audio")
     items = [adapter.process_image(image) for image in images]
+    items += [adapter.process_audio(samples, rate) for samples, rate in clips]
     expanded, placeholders = adapter.expand_placeholders(list(token_ids), items)
     return expanded, placeholders, items
 

@@ -17,7 +17,8 @@ from engine.checkpoint import eos_token_ids, load_tokenizer, resolve_model_path
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.executor import Executor
-from engine.input_processor import expand_images, make_engine_request, to_request
+from engine.input_processor import expand_items, make_engine_request, to_request
+from engine.audio_clips import audio_clip, check_audio_count
 from engine.media import MediaLimits, check_image_count, load_image
 from engine.output_processor import RequestOutputProcessor
 from engine.outputs import RequestOutput
@@ -88,11 +89,11 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
-        images = self._images_of(prompt)
-        if not images:
+        images, clips = self._media_of(prompt)
+        if not images and not clips:
             return make_engine_request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len,
                                        cache_salt)
-        token_ids, placeholders, items = expand_images(self.adapter, token_ids, images)
+        token_ids, placeholders, items = expand_items(self.adapter, token_ids, images, clips)
         request = make_engine_request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len,
                                       cache_salt, placeholders)
         self._items[request_id] = items
@@ -107,17 +108,22 @@ class LLMEngine:
         """Forget the items of requests that were made but will not be added."""
         self._items.clear()
 
-    def _images_of(self, prompt: Prompt) -> list:
+    def _media_of(self, prompt: Prompt) -> tuple[list, list]:
+        """The prompt's decoded images and `(samples, rate)` audio clips."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
-            return []
-        unknown = sorted(set(data) - {"image"})
+            return [], []
+        unknown = sorted(set(data) - {"image", "audio"})
         if unknown:
             raise ValueError(f"multi_modal_data has unsupported modalities: {', '.join(unknown)}")
-        images = data["image"]
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
         check_image_count(len(images), self.media_limits)
-        return [load_image(image, self.media_limits) for image in images]
+        # A lone clip is a (samples, rate) pair; several are a list of them.
+        clips = data.get("audio")
+        clips = [] if clips is None else [clips] if isinstance(clips, tuple) else list(clips)
+        check_audio_count(len(clips), self.media_limits)
+        return [load_image(image, self.media_limits) for image in images], [audio_clip(clip) for clip in clips]
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:

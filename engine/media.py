@@ -29,11 +29,12 @@ MIB = 1 << 20
 MEDIA_ERROR_CODES = frozenset({
     "image_too_large", "image_too_many_pixels", "unsupported_image_format", "invalid_image",
     "invalid_image_url", "remote_url_not_supported", "local_file_not_allowed", "too_many_images",
+    "invalid_audio", "too_many_audio_clips",
 })
 
 
 class MediaError(ValueError):
-    """A refused image. `code` is one of MEDIA_ERROR_CODES; the message names the limit."""
+    """A refused image or audio clip. `code` is one of MEDIA_ERROR_CODES; the message names the limit."""
 
     def __init__(self, code: str, message: str):
         assert code in MEDIA_ERROR_CODES, code
@@ -54,9 +55,11 @@ class MediaLimits:
     allowed_local_media_path: Path | None = None
     # Enforced by the caller, which sees the whole request (check_image_count).
     max_images_per_request: int = 8
+    # Audio clips a request may hold (a model that hears them: engine/audio_clips.py).
+    max_audio_clips_per_request: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request", "max_audio_clips_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MediaLimits.{name} must be an integer > 0, got {value!r}")

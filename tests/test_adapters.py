@@ -86,8 +86,8 @@ def test_expanded_prompt_equals_processor(tiny_vlms, adapters, family, name):
         assert set(expanded[placeholder.offset:placeholder.end]) == {adapter.image_token_id}
         assert placeholder.mm_hash == image.mm_hash and placeholder.grid == image.grid
     # The pixels the encoder gets are the processor's, image by image.
-    ours = np.concatenate([image.pixel_values for image in processed]) if family != "llava" else \
-        np.stack([image.pixel_values for image in processed])
+    ours = np.concatenate([image.tower_input for image in processed]) if family != "llava" else \
+        np.stack([image.tower_input for image in processed])
     np.testing.assert_array_equal(ours, reference["pixel_values"].numpy())
 
 
@@ -101,11 +101,11 @@ def test_expand_placeholders_rejects_a_count_mismatch(tiny_vlms, adapters):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_encode_images_equals_get_image_features(tiny_vlms, adapters, family):
+def test_encode_items_equals_get_image_features(tiny_vlms, adapters, family):
     path, adapter = tiny_vlms[family], adapters[family]
     prompt_text, images = layout("two_images", adapter, path)
     processed = [adapter.process_image(image) for image in images]
-    ours = adapter.encode_images(adapter.load_vision_encoder(torch.float32, torch.device("cpu")), processed)
+    ours = adapter.encode_items(adapter.load_encoder(torch.float32, torch.device("cpu")), processed)
 
     inputs = hf_processor_inputs(path, prompt_text, images)
     model = load_reference_vlm(path)
@@ -164,7 +164,7 @@ def test_language_model_on_adapter_embeddings_gives_full_model_logits(tiny_vlms,
     path, adapter = tiny_vlms[family], adapters[family]
     prompt_text, images = layout("two_images", adapter, path)
     expanded, placeholders, processed = engine_prompt(adapter, path, prompt_text, images)
-    embeddings = adapter.encode_images(adapter.load_vision_encoder(torch.float32, torch.device("cpu")), processed)
+    embeddings = adapter.encode_items(adapter.load_encoder(torch.float32, torch.device("cpu")), processed)
     language_model = adapter.load_language_model(torch.float32, "cpu", "eager")
     inputs_embeds, position_ids = language_model_inputs(adapter, language_model, expanded, placeholders, embeddings)
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_greedy_through_adapter_equals_generate(tiny_vlms, adapters, family):
     path, adapter = tiny_vlms[family], adapters[family]
     prompt_text, images = layout("two_images", adapter, path)
     expanded, placeholders, processed = engine_prompt(adapter, path, prompt_text, images)
-    embeddings = adapter.encode_images(adapter.load_vision_encoder(torch.float32, torch.device("cpu")), processed)
+    embeddings = adapter.encode_items(adapter.load_encoder(torch.float32, torch.device("cpu")), processed)
     language_model = adapter.load_language_model(torch.float32, "cpu", "eager")
     generated: list[int] = []
     for _ in range(6):
@@ -218,7 +218,7 @@ def test_language_model_uses_the_requested_attention_and_drops_the_tower(tiny_vl
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_encoder_holds_only_the_tower_and_projector(tiny_vlms, adapters, family):
-    encoder = adapters[family].load_vision_encoder(torch.float32, torch.device("cpu"))
+    encoder = adapters[family].load_encoder(torch.float32, torch.device("cpu"))
     reference = load_reference_vlm(tiny_vlms[family]).model
     towers = [reference.visual] if family != "llava" else [reference.vision_tower, reference.multi_modal_projector]
     assert sum(p.numel() for p in encoder.parameters()) == sum(p.numel() for t in towers for p in t.parameters())
@@ -295,4 +295,4 @@ def test_vision_encoder_refuses_a_checkpoint_without_tower_weights(tiny_vlms, tm
               metadata={"format": "pt"})
     adapter = adapter_for(folder, AutoConfig.from_pretrained(folder))
     with pytest.raises(ValueError, match="lacks vision weights.*merger"):
-        adapter.load_vision_encoder(torch.float32, torch.device("cpu"))
+        adapter.load_encoder(torch.float32, torch.device("cpu"))

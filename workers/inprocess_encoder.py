@@ -14,7 +14,7 @@ import time
 import torch
 
 from engine.encoder_cache import EncoderCache
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 
 logger = logging.getLogger("antiphon")
 
@@ -23,21 +23,21 @@ class InProcessEncoder:
     def __init__(self, adapter, dtype: torch.dtype, device: torch.device, cache_budget: int,
                  track_cache_changes: bool = False) -> None:
         self.adapter = adapter
-        self.tower = adapter.load_vision_encoder(dtype, device)
+        self.tower = adapter.load_encoder(dtype, device)
         self.cache = EncoderCache(cache_budget, track_cache_changes)
         # mm_hash -> (item, ids of the live requests that sent it). An item registered without
         # pixels (the frontend believed it cached) can only be served from the cache.
-        self._items: dict[str, tuple[ProcessedImage, set[str]]] = {}
+        self._items: dict[str, tuple[ProcessedItem, set[str]]] = {}
         self._by_request: dict[str, list[str]] = {}
         self._ready: list[tuple[str, object, str | None]] = []
 
     # ---- the EmbeddingSource interface (engine/executor.py) ---------------------------------
 
-    def register(self, request_id: str, items: list[ProcessedImage]) -> None:
+    def register(self, request_id: str, items: list[ProcessedItem]) -> None:
         hashes = self._by_request.setdefault(request_id, [])
         for item in items:
             entry = self._items.get(item.mm_hash)
-            if entry is None or (entry[0].pixel_values is None and item.pixel_values is not None):
+            if entry is None or (entry[0].tower_input is None and item.tower_input is not None):
                 entry = self._items[item.mm_hash] = (item, entry[1] if entry else set())
             entry[1].add(request_id)
             if item.mm_hash not in hashes:
@@ -57,7 +57,7 @@ class InProcessEncoder:
             embeddings = self.cache.get(mm_hash)
             if embeddings is not None:
                 self._ready.append((mm_hash, embeddings, None))
-            elif mm_hash in self._items and self._items[mm_hash][0].pixel_values is not None:
+            elif mm_hash in self._items and self._items[mm_hash][0].tower_input is not None:
                 misses.append(self._items[mm_hash][0])
             else:
                 self._ready.append((mm_hash, None, "the item is not known to the encoder (its request ended?)"))
@@ -69,7 +69,7 @@ class InProcessEncoder:
         if mm_hash in self.cache:
             return True
         entry = self._items.get(mm_hash)
-        return entry is not None and entry[0].pixel_values is not None
+        return entry is not None and entry[0].tower_input is not None
 
     def cost_of(self, mm_hash: str) -> int:
         """Embeddings an ask makes the tower compute: none for a cached or unknown item."""
@@ -78,7 +78,7 @@ class InProcessEncoder:
 
     def registered_without_pixels(self, mm_hash: str) -> bool:
         entry = self._items.get(mm_hash)
-        return entry is not None and entry[0].pixel_values is None
+        return entry is not None and entry[0].tower_input is None
 
     def poll(self) -> list[tuple[str, object, str | None]]:
         ready, self._ready = self._ready, []
@@ -87,9 +87,9 @@ class InProcessEncoder:
     # ---- encoding ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode(self, items: list[ProcessedImage]) -> list[tuple[str, object, str | None]]:
+    def encode(self, items: list[ProcessedItem]) -> list[tuple[str, object, str | None]]:
         try:
-            outputs = self.adapter.encode_images(self.tower, items)
+            outputs = self.adapter.encode_items(self.tower, items)
         except Exception as exc:  # a bad item must fail its requests, not the engine
             if len(items) > 1:
                 # One bad item must not fail the others batched with it: one at a time.
@@ -104,12 +104,12 @@ class InProcessEncoder:
             results.append((item.mm_hash, embeddings, None))
         return results
 
-    def warm_up(self, batch_sizes: list[int], example: ProcessedImage) -> float:
+    def warm_up(self, batch_sizes: list[int], example: ProcessedItem) -> float:
         """Run the tower once per batch size the engine will use, so the first real requests
         do not pay for lazy initialisation (seed 001); returns the seconds it took."""
         started = time.perf_counter()
         with torch.inference_mode():
             for size in batch_sizes:
-                self.adapter.encode_images(self.tower, [example] * size)
+                self.adapter.encode_items(self.tower, [example] * size)
         return time.perf_counter() - started
 

@@ -1,4 +1,4 @@
-"""Model adapters by family: how the engine splits a vision-language checkpoint (see base.py)."""
+"""Model adapters by family: how the engine splits a multimodal checkpoint (see base.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine.adapters.base import ModelAdapter
 from engine.adapters.llava import LlavaAdapter
+from engine.adapters.qwen2_5_omni import Qwen2_5OmniAdapter
 from engine.adapters.qwen2_vl import Qwen2VLAdapter
 
 # Keyed by config.json's model_type. Families not listed are text-only: no adapter.
@@ -13,6 +14,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "qwen2_vl": Qwen2VLAdapter,
     "qwen2_5_vl": Qwen2VLAdapter,
     "llava": LlavaAdapter,
+    "qwen2_5_omni": Qwen2_5OmniAdapter,
 }
 
 

@@ -1,14 +1,15 @@
-"""What the engine needs to know about a vision-language family, in one object per checkpoint.
+"""What the engine needs to know about a multimodal family, in one object per checkpoint.
 
-The engine splits a VLM in two: the vision tower + projector runs in the encoder process, the
-language model in the decoder. The adapter is the seam between them and the frontend:
+The engine splits such a model in two: the towers (vision, and audio for an omni model) run in
+the encoder process, the language model in the decoder. The adapter is the seam between them
+and the frontend:
 
-- preprocessing (CPU, no weights; the frontend's pool and the offline API): turn an image into
-  the pixels the tower takes, a content hash, and a count of embeddings; expand the chat
-  template's one placeholder token per image into as many tokens as the image has embeddings.
-- model side (torch): load only the part each process needs, encode a batch of images, and say
+- preprocessing (CPU, no weights; the frontend's pool and the offline API): turn an image or an
+  audio clip into what its tower takes, a content hash, and a count of embeddings; expand the
+  chat template's one placeholder token per item into as many tokens as the item has embeddings.
+- model side (torch): load only the part each process needs, encode a batch of items, and say
   where prompt tokens sit (M-RoPE for Qwen2-VL) so the decoder can drive the language model
-  with `inputs_embeds` and get what the full model computes with pixel values.
+  with `inputs_embeds` and get what the full model computes with pixel values or audio features.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import PIL.Image
 import torch
 from transformers import AutoImageProcessor
 
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 from engine.request import MultiModalPlaceholder
 
 
@@ -31,6 +32,9 @@ class ModelAdapter:
     # The token the chat template writes once per image, and the template's text for one image.
     image_token_id: int
     image_placeholder_text: str
+    # The same for an audio clip, in a family whose model hears audio itself (None: it does not).
+    audio_token_id: int | None = None
+    audio_placeholder_text: str = ""
     # Whether positions are 3-D (time, height, width) M-RoPE; then `prompt_positions` gives them.
     uses_mrope: bool = False
 
@@ -49,10 +53,10 @@ class ModelAdapter:
 
     # ---- preprocessing -------------------------------------------------------------------
 
-    def process_image(self, image: PIL.Image.Image) -> ProcessedImage:
+    def process_image(self, image: PIL.Image.Image) -> ProcessedItem:
         raise NotImplementedError
 
-    def warm_up_item(self) -> ProcessedImage:
+    def warm_up_item(self) -> ProcessedItem:
         """A plain mid-sized image, for the encoder's start-up warm-up."""
         return self.process_image(PIL.Image.new("RGB", (224, 224), (127, 127, 127)))
 
@@ -71,29 +75,52 @@ class ModelAdapter:
         hasher.update(image.tobytes())
         return hasher.hexdigest()
 
+    def process_audio(self, samples: np.ndarray, sample_rate: int) -> ProcessedItem:
+        """A mono clip (float32 in [-1, 1]) as the audio tower takes it; only families that hear."""
+        raise ValueError("this model takes no audio")
+
+    def placeholder_tokens(self) -> dict[str, tuple[int, str]]:
+        """By modality: the token the chat template writes once per item, and its text for one item."""
+        tokens = {"image": (self.image_token_id, self.image_placeholder_text)}
+        if self.audio_token_id is not None:
+            tokens["audio"] = (self.audio_token_id, self.audio_placeholder_text)
+        return tokens
+
     def expand_placeholders(self, token_ids: list[int],
-                            images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalPlaceholder]]:
-        """Repeat each image token `images[k].num_embeddings` times (the k-th image token is the
-        k-th image, as the chat template wrote them) and say where each image's rows are."""
-        positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
-        if len(positions) != len(images):
-            raise ValueError(f"the prompt holds {len(positions)} image placeholder(s) "
-                             f"({self.image_placeholder_text!r}) but {len(images)} image(s) were given")
+                            items: list[ProcessedItem]) -> tuple[list[int], list[MultiModalPlaceholder]]:
+        """Repeat each placeholder token `items[k].num_embeddings` times and say where each
+        item's rows are. The k-th placeholder of a modality is the k-th item of that modality
+        in `items`, as the chat template wrote them (images and audio may interleave)."""
+        tokens = self.placeholder_tokens()
+        modality_of = {token: modality for modality, (token, _) in tokens.items()}
+        queues = {modality: [item for item in items if item.modality == modality] for modality in tokens}
+        unknown = sorted({item.modality for item in items} - set(tokens))
+        if unknown:
+            raise ValueError(f"this model takes no {', '.join(unknown)}")
+        positions = [i for i, token in enumerate(token_ids) if token in modality_of]
+        for modality, (token, text) in tokens.items():
+            written = sum(1 for i in positions if token_ids[i] == token)
+            if written != len(queues[modality]):
+                raise ValueError(f"the prompt holds {written} {modality} placeholder(s) ({text!r}) but "
+                                 f"{len(queues[modality])} {modality} item(s) were given")
         expanded: list[int] = []
         placeholders: list[MultiModalPlaceholder] = []
+        next_item = {modality: iter(queue) for modality, queue in queues.items()}
         start = 0
-        for position, image in zip(positions, images):
+        for position in positions:
+            token = token_ids[position]
+            item = next(next_item[modality_of[token]])
             expanded.extend(token_ids[start:position])
-            placeholders.append(MultiModalPlaceholder(offset=len(expanded), length=image.num_embeddings,
-                                                      mm_hash=image.mm_hash, modality=image.modality,
-                                                      grid=image.grid))
-            expanded.extend([self.image_token_id] * image.num_embeddings)
+            placeholders.append(MultiModalPlaceholder(offset=len(expanded), length=item.num_embeddings,
+                                                      mm_hash=item.mm_hash, modality=item.modality,
+                                                      grid=item.grid))
+            expanded.extend([token] * item.num_embeddings)
             start = position + 1
         expanded.extend(token_ids[start:])
         return expanded, placeholders
 
     def max_embeddings_per_item(self) -> int:
-        """The most embeddings one image can make under these processor settings: sizes the
+        """The most embeddings one item can make under these processor settings: sizes the
         encoder cache (it must hold at least one item)."""
         raise NotImplementedError
 
@@ -102,20 +129,20 @@ class ModelAdapter:
 
     # ---- model side ----------------------------------------------------------------------
 
-    def load_vision_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-        """Only the vision tower + projector, with the checkpoint's weights (the encoder
-        process never allocates the language model)."""
+    def load_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """Only the towers (+ projector), with the checkpoint's weights (the encoder process
+        never allocates the language model)."""
         raise NotImplementedError
 
-    def encode_images(self, encoder: torch.nn.Module, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        """One forward for the batch; one [num_embeddings, embedding_size()] tensor per image:
-        the rows that replace its placeholder tokens."""
+    def encode_items(self, encoder: torch.nn.Module, items: list[ProcessedItem]) -> list[torch.Tensor]:
+        """One forward for the batch (per tower); one [num_embeddings, embedding_size()] tensor
+        per item, in order: the rows that replace its placeholder tokens."""
         raise NotImplementedError
 
     def load_language_model(self, dtype: torch.dtype, device: torch.device | str,
                             attn_implementation: str) -> torch.nn.Module:
         """The model whose forward(inputs_embeds=[1, T, H], position_ids=..., ...) gives .logits,
-        its text attention `attn_implementation`, its vision tower dropped."""
+        its text attention `attn_implementation`, its towers dropped."""
         raise NotImplementedError
 
     def prompt_positions(self, num_prompt_tokens: int,

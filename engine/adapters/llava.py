@@ -17,7 +17,7 @@ from transformers import AutoModel, LlavaForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector, LlavaPreTrainedModel
 
 from engine.adapters.base import ModelAdapter, config_values, load_weights_into
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 
 
 class LlavaVisionEncoder(LlavaPreTrainedModel):
@@ -66,11 +66,11 @@ class LlavaAdapter(ModelAdapter):
         patch = self.hf_config.vision_config.patch_size
         return (height // patch) * (width // patch) + self._extra_embeddings
 
-    def process_image(self, image: PIL.Image.Image) -> ProcessedImage:
+    def process_image(self, image: PIL.Image.Image) -> ProcessedItem:
         # The processor converts to RGB, resizes the short side, center-crops: [3, H, W].
         pixel_values = np.asarray(self.image_processor(images=[image])["pixel_values"][0], dtype=np.float32)
-        return ProcessedImage(mm_hash=self.mm_hash(image), pixel_values=pixel_values,
-                              num_embeddings=self._embeddings_for(*pixel_values.shape[-2:]))
+        return ProcessedItem(mm_hash=self.mm_hash(image), tower_input=pixel_values,
+                             num_embeddings=self._embeddings_for(*pixel_values.shape[-2:]))
 
     def max_embeddings_per_item(self) -> int:
         # The tower only takes its own image size (no position interpolation): every image is this.
@@ -85,12 +85,12 @@ class LlavaAdapter(ModelAdapter):
                 "projector_hidden_act": config.projector_hidden_act,
                 "multimodal_projector_bias": config.multimodal_projector_bias}
 
-    def load_vision_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    def load_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         return load_weights_into(LlavaVisionEncoder, self.model_path, dtype, device, attn_implementation="sdpa")
 
-    def encode_images(self, encoder: torch.nn.Module, images: list[ProcessedImage]) -> list[torch.Tensor]:
+    def encode_items(self, encoder: torch.nn.Module, images: list[ProcessedItem]) -> list[torch.Tensor]:
         device = next(encoder.parameters()).device
-        pixel_values = torch.from_numpy(np.stack([image.pixel_values for image in images])).to(device)
+        pixel_values = torch.from_numpy(np.stack([image.tower_input for image in images])).to(device)
         with torch.inference_mode():
             embeddings = encoder(pixel_values)
         return list(embeddings.unbind(0))

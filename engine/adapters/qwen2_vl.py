@@ -22,7 +22,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (Qwen2VisionTransform
                                                             Qwen2VLPreTrainedModel)
 
 from engine.adapters.base import ModelAdapter, load_weights_into
-from engine.mm_inputs import ProcessedImage
+from engine.mm_inputs import ProcessedItem
 from engine.request import MultiModalPlaceholder
 
 # The real processor refuses images more elongated than this (smart_resize).
@@ -80,13 +80,13 @@ class Qwen2VLAdapter(ModelAdapter):
 
     # ---- preprocessing -------------------------------------------------------------------
 
-    def process_image(self, image: PIL.Image.Image) -> ProcessedImage:
+    def process_image(self, image: PIL.Image.Image) -> ProcessedItem:
         # The processor converts to RGB itself (transparency onto white) and patchifies:
         # pixel_values [patches, 3 * temporal_patch * 14 * 14], grid (t, h, w) in patches.
         out = self.image_processor(images=[image])
         grid = tuple(int(n) for n in out["image_grid_thw"][0])
-        return ProcessedImage(mm_hash=self.mm_hash(image), num_embeddings=math.prod(grid) // self.merge_size ** 2,
-                              pixel_values=np.asarray(out["pixel_values"], dtype=np.float32), grid=grid)
+        return ProcessedItem(mm_hash=self.mm_hash(image), num_embeddings=math.prod(grid) // self.merge_size ** 2,
+                             tower_input=np.asarray(out["pixel_values"], dtype=np.float32), grid=grid)
 
     def max_embeddings_per_item(self) -> int:
         """An upper bound over every image the processor accepts, following smart_resize's
@@ -107,13 +107,13 @@ class Qwen2VLAdapter(ModelAdapter):
 
     # ---- model side ----------------------------------------------------------------------
 
-    def load_vision_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    def load_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         _, encoder_class = _MODELS[self.family]
         return load_weights_into(encoder_class, self.model_path, dtype, device, attn_implementation="sdpa")
 
-    def encode_images(self, encoder: torch.nn.Module, images: list[ProcessedImage]) -> list[torch.Tensor]:
+    def encode_items(self, encoder: torch.nn.Module, images: list[ProcessedItem]) -> list[torch.Tensor]:
         device = next(encoder.parameters()).device
-        pixel_values = torch.from_numpy(np.concatenate([image.pixel_values for image in images])).to(device)
+        pixel_values = torch.from_numpy(np.concatenate([image.tower_input for image in images])).to(device)
         grid_thw = torch.tensor([image.grid for image in images], dtype=torch.long, device=device)
         with torch.inference_mode():
             embeddings = encoder(pixel_values, grid_thw)
@@ -133,11 +133,13 @@ class Qwen2VLAdapter(ModelAdapter):
                          placeholders: list[MultiModalPlaceholder]) -> tuple[np.ndarray, int]:
         """As transformers' get_rope_index: text advances all three axes together by one per
         token; an image's embeddings take (t, row, column) offsets from the position where it
-        starts, and the text after it resumes at that start + max(rows, columns)."""
+        starts, and the text after it resumes at that start + max(rows, columns). Audio (an
+        omni model's) is placed as text is: one position per embedding on all three axes."""
         positions = np.empty((3, num_prompt_tokens), dtype=np.int64)
         next_position = 0
         text_start = 0
-        for placeholder in sorted(placeholders, key=lambda p: p.offset):
+        images = [p for p in placeholders if p.modality == "image"]
+        for placeholder in sorted(images, key=lambda p: p.offset):
             if placeholder.offset < text_start or placeholder.end > num_prompt_tokens:
                 raise ValueError(f"placeholder at {placeholder.offset}..{placeholder.end} overlaps another "
                                  f"or ends past the prompt ({num_prompt_tokens} tokens)")

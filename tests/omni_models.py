@@ -1,0 +1,154 @@
+"""Tiny random-weight omni checkpoints (thinker -> talker -> codec), saved as Hugging Face folders.
+
+A folder holds what a real Qwen2.5-Omni checkpoint holds: config + weights of all three stages,
+`spk_dict.pt` (the speakers the codec conditions on), a tokenizer with the family's special
+tokens and a chat template that renders image and audio parts as the real template does, and
+one `preprocessor_config.json` that serves both the image processor and the audio feature
+extractor (as the real one does).
+
+Shrinking the real config needs care, and each rule below is one transformers relies on:
+M-RoPE sections sum to head_dim / 2; the audio and vision towers' outputs are the thinker's
+width; every special id the thinker reads lies inside its vocabulary and every codec id inside
+the talker's; the speaker's text-bos token is a thinker token; the DiT's codec embedding table
+covers the talker's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (PreTrainedTokenizerFast, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration,
+                          Qwen2VLImageProcessorPil, WhisperFeatureExtractor)
+
+from tests.tiny_models import build_tokenizer
+
+FAMILIES = ("qwen2_5_omni",)
+
+IMAGE_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+SPECIAL_TOKENS = ["<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>",
+                  "<|AUDIO|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>"]
+SPEAKERS = ("Chelsie", "Ethan")
+# The talker's codec vocabulary: speech codes below CODEC_PAD, then its control tokens.
+CODEC_VOCAB = 64
+CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 58, 59, 60, 62
+# Whisper-style log-mel features at 16 kHz; 16 mel bins keep the audio tower tiny.
+SAMPLE_RATE = 16000
+MEL_BINS = 16
+
+
+def _chat_template() -> str:
+    """ChatML where a message's content is a string or a list of parts; an image part becomes
+    the image placeholder, an audio part the audio placeholder, in the order given."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] in ('image', 'image_url') or 'image' in part %}" + IMAGE_PLACEHOLDER +
+        "{% elif part['type'] in ('audio', 'input_audio') or 'audio' in part %}" + AUDIO_PLACEHOLDER +
+        "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# The tokens the family's processor finds by name on the tokenizer (tokenizer.audio_token...).
+NAMED_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+                "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def build_omni_tokenizer() -> PreTrainedTokenizerFast:
+    base = build_tokenizer()
+    base.add_tokens(SPECIAL_TOKENS, special_tokens=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token,
+                                        pad_token=base.pad_token, bos_token=None, extra_special_tokens=NAMED_TOKENS)
+    tokenizer.chat_template = _chat_template()
+    return tokenizer
+
+
+def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniConfig:
+    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)))
+    width = 64
+    text = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                # head_dim 16: the three M-RoPE sections (time, height, width) sum to head_dim / 2.
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                # Wider than the default 0.02 so logits are decisive and greedy choices are not ties.
+                initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                  out_hidden_size=width, initializer_range=0.2)
+    # n_window 8: the tower attends within windows of 16 mel frames, so a clip of a second spans many.
+    audio = dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                 d_model=32, output_dim=width, n_window=8, max_source_positions=1500, initializer_range=0.2)
+    thinker = dict(text_config=text, vision_config=vision, audio_config=audio,
+                   audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"],
+                   video_token_index=ids["<|VIDEO|>"], vision_start_token_id=ids["<|vision_bos|>"],
+                   vision_end_token_id=ids["<|vision_eos|>"], audio_start_token_id=ids["<|audio_bos|>"],
+                   audio_end_token_id=ids["<|audio_eos|>"],
+                   user_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"), initializer_range=0.2)
+    talker = dict(vocab_size=CODEC_VOCAB, embedding_size=width, hidden_size=48, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                  max_position_embeddings=2048,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                  tts_text_start_token_id=ids["<tts_text_bos>"], tts_text_end_token_id=ids["<tts_text_eod>"],
+                  tts_text_pad_token_id=ids["<tts_pad>"], tts_codec_start_token_id=CODEC_BOS,
+                  tts_codec_end_token_id=CODEC_EOS, tts_codec_pad_token_id=CODEC_PAD,
+                  tts_codec_mask_token_id=CODEC_MASK, audio_token_index=ids["<|AUDIO|>"],
+                  image_token_index=ids["<|IMAGE|>"], video_token_index=ids["<|VIDEO|>"],
+                  vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"],
+                  audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
+                  initializer_range=0.2)
+    dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=16, head_dim=16,
+               block_size=8, look_ahead_layers=[1], look_backward_layers=[0], repeats=2,
+               num_embeds=CODEC_VOCAB + 1, mel_dim=20, enc_emb_dim=24, enc_dim=16,
+               enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16, dropout=0.0)
+    bigvgan = dict(mel_dim=20, upsample_initial_channel=32, resblock_kernel_sizes=[3, 7],
+                   resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]], upsample_rates=[5, 4, 3],
+                   upsample_kernel_sizes=[10, 8, 6])
+    return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
+                             token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
+
+
+def _feature_extractor() -> WhisperFeatureExtractor:
+    return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=160,
+                                   chunk_length=30, n_fft=400, return_attention_mask=True)
+
+
+def _image_processor() -> Qwen2VLImageProcessorPil:
+    # 28x28 pixels is one embedding (14-pixel patches merged 2x2); at most 16 embeddings an image.
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
+                                    temporal_patch_size=2)
+
+
+def save_tiny_omni(family: str, folder: Path, seed: int = 0) -> Path:
+    """Save a tiny random `family` checkpoint (one of FAMILIES) into `folder`; returns `folder`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    folder = Path(folder)
+    tokenizer = build_omni_tokenizer()
+    torch.manual_seed(seed)
+    config = _qwen2_5_omni_config(tokenizer)
+    model = Qwen2_5OmniForConditionalGeneration(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # One preprocessor_config.json for both processors, as the real checkpoint ships it: the
+    # image processor and the feature extractor each read their own keys from it.
+    _image_processor().save_pretrained(folder)
+    combined = json.loads((folder / "preprocessor_config.json").read_text())
+    combined.update(_feature_extractor().to_dict())
+    (folder / "preprocessor_config.json").write_text(json.dumps(combined, indent=2, sort_keys=True))
+    # Each speaker: the thinker token that opens the talker's text stream, the codec's
+    # conditioning vector and its reference mel spectrogram.
+    dit = config.token2wav_config.dit_config
+    generator = torch.Generator().manual_seed(seed + 1)
+    speakers = {name: {"bos_token": tokenizer.convert_tokens_to_ids("<tts_text_bos_single>"),
+                       "cond": torch.randn(1, dit.enc_emb_dim, generator=generator),
+                       "ref_mel": torch.randn(1, 30, dit.mel_dim, generator=generator)}
+                for name in SPEAKERS}
+    torch.save(speakers, folder / "spk_dict.pt")
+    return folder
