@@ -1,12 +1,13 @@
-"""Conversations whose messages carry content parts: text and images.
+"""Conversations whose messages carry content parts: text, images and audio.
 
-The model's chat template writes its own image placeholder wherever a message has an
-`{"type": "image"}` part (as Hugging Face multimodal templates expect); the images
-themselves are collected in order, to be decoded and preprocessed off the event loop. The
-offline `LLM.chat` and the server take the same part types:
+The model's chat template writes its own placeholder wherever a message has an
+`{"type": "image"}` or `{"type": "audio"}` part (as Hugging Face multimodal templates expect);
+the images and clips themselves are collected in order, to be decoded and preprocessed off the
+event loop. The offline `LLM.chat` and the server take the same part types:
 `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url": ...}}`,
-`{"type": "image", "image": <PIL.Image or bytes or URL>}`, and Realtime's
-`{"type": "input_image", "image_url": ...}`.
+`{"type": "image", "image": <PIL.Image or bytes or URL>}`, Realtime's
+`{"type": "input_image", "image_url": ...}`, and `{"type": "audio", "audio": (samples, rate)}`
+(the server decodes `input_audio` parts into these for a model that hears).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
-def split_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """(messages for the chat template, image sources in prompt order). A conversation
-    without images comes back with each message's text parts joined into one string, which
-    text-only templates expect. Raises ValueError naming a malformed part."""
+def split_media(messages: list[dict]) -> tuple[list[dict], list, list]:
+    """(messages for the chat template, image sources, audio clips), each in prompt order. A
+    conversation without either comes back with each message's text parts joined into one
+    string, which text-only templates expect. Raises ValueError naming a malformed part."""
     sources: list = []
+    clips: list = []
     templated: list[dict] = []
     for index, message in enumerate(messages):
         content = message.get("content")
@@ -40,14 +42,19 @@ def split_images(messages: list[dict]) -> tuple[list[dict], list]:
             elif kind in IMAGE_PART_TYPES:
                 sources.append(_image_source(part, where))
                 parts.append({"type": "image"})
+            elif kind == "audio":
+                if part.get("audio") is None:
+                    raise ValueError(f"{where} has no audio")
+                clips.append(part["audio"])
+                parts.append({"type": "audio"})
             else:
                 raise ValueError(f"{where} has an unsupported type {kind!r}")
         templated.append({**message, "content": parts})
-    if not sources:
+    if not sources and not clips:
         for message in templated:
             if isinstance(message.get("content"), list):
                 message["content"] = "".join(p["text"] for p in message["content"])
-    return templated, sources
+    return templated, sources, clips
 
 
 def _image_source(part: dict, where: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 
-from engine.chat_content import split_images
+from engine.chat_content import split_media
 from engine.chat_template import ChatTemplate
 from engine.config import EngineConfig
 from engine.executor import Executor
@@ -71,13 +71,17 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def chat_prompt(self, messages: Messages, chat_template: str | None = None) -> Prompt:
-        """The conversation as a prompt: token ids, or with images a dict of token ids and
-        the images (content parts `image_url` with a data URL or local file, or `image`)."""
-        templated, images = split_images(messages)
+        """The conversation as a prompt: token ids, or with images or audio a dict of token ids
+        and the media (content parts `image_url` with a data URL or local file, or `image`;
+        `audio` with a (samples, rate) pair)."""
+        templated, images, clips = split_media(messages)
         token_ids = self.apply_chat_template(templated, chat_template)
-        if not images:
+        if not images and not clips:
             return token_ids
-        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+        media = {"image": images} if images else {}
+        if clips:
+            media["audio"] = clips
+        return {"prompt_token_ids": token_ids, "multi_modal_data": media}
 
     def apply_chat_template(self, messages: Messages, chat_template: str | None = None) -> list[int]:
         """The conversation's prompt ids, as the server makes them: control tokens typed in the

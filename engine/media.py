@@ -29,7 +29,7 @@ MIB = 1 << 20
 MEDIA_ERROR_CODES = frozenset({
     "image_too_large", "image_too_many_pixels", "unsupported_image_format", "invalid_image",
     "invalid_image_url", "remote_url_not_supported", "local_file_not_allowed", "too_many_images",
-    "invalid_audio", "too_many_audio_clips",
+    "invalid_audio", "audio_too_long", "too_many_audio_clips",
 })
 
 

@@ -1,5 +1,5 @@
 """Voice in chat completions: `input_audio` parts become their transcripts before the chat
-template sees them, and with `modalities: ["text", "audio"]` the answer is spoken by the
+template sees them (or, for a model that hears audio itself, audio items for its encoder), and with `modalities: ["text", "audio"]` the answer is spoken by the
 talker (its text goes to the talker as it is generated; the audio comes back as it is made).
 """
 
@@ -33,15 +33,30 @@ async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, m
             if not voice_on:
                 raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality",
                                    "messages.content")
-            samples = await asyncio.to_thread(_decode_wav, part["input_audio"], max_seconds)
-            text, heard = await transcribe(client, samples, requester)
+            samples, rate = await asyncio.to_thread(_read_wav_part, part["input_audio"], max_seconds)
+            text, heard = await transcribe(client, await asyncio.to_thread(resample, samples, rate, RECOGNIZER_RATE),
+                                           requester)
             if not heard:
                 raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
                                    "messages.content")
             content[index] = {"type": "text", "text": text}
 
 
-def _decode_wav(audio: dict, max_seconds: float):
+async def hear_audio_parts(messages: list[dict], max_seconds: float) -> None:
+    """For a model that hears audio itself (an omni model): replaces every input_audio part of
+    `messages` by an audio part holding its decoded samples and rate, for the model's encoder."""
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, list):
+            continue
+        for index, part in enumerate(content):
+            if part["type"] == "input_audio":
+                clip = await asyncio.to_thread(_read_wav_part, part["input_audio"], max_seconds)
+                content[index] = {"type": "audio", "audio": clip}
+
+
+def _read_wav_part(audio: dict, max_seconds: float) -> tuple:
+    """An input_audio part's (float32 mono samples, rate)."""
     if audio["format"] != "wav":
         raise InvalidInput("this server reads input_audio in wav format only", "invalid_value", "messages.content")
     try:
@@ -52,7 +67,7 @@ def _decode_wav(audio: dict, max_seconds: float):
     if len(samples) > max_seconds * rate:
         raise InvalidInput(f"input_audio of {len(samples) / rate:.1f} s is over the limit of {max_seconds:g} s",
                            "audio_too_long", "messages.content")
-    return resample(samples, rate, RECOGNIZER_RATE)
+    return samples, rate
 
 
 class SpokenAnswer:

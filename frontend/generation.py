@@ -20,9 +20,10 @@ import anyio
 from jinja2 import TemplateError
 
 from engine import protocol
-from engine.chat_content import split_images
+from engine.chat_content import split_media
 from engine.chat_template import ChatTemplate, PromptTooLong
-from engine.input_processor import expand_images, make_engine_request
+from engine.input_processor import expand_items, make_engine_request
+from engine.audio_clips import audio_clip, check_audio_count
 from engine.media import MediaError, MediaLimits, check_image_count, load_image
 from engine.mm_inputs import salt_items
 from engine.output_processor import RequestOutputProcessor
@@ -50,20 +51,20 @@ class TextChunk:
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
     num_image_tokens: int = 0
+    num_audio_tokens: int = 0
 
 
 @dataclass
 class ChatPrompt:
-    """A templated conversation: its token ids and, with images, where each sits and the
-    preprocessed items for the encoder."""
+    """A templated conversation: its token ids and, with images or audio, where each item sits
+    and the preprocessed items for the encoder."""
 
     token_ids: list[int]
     placeholders: list[MultiModalPlaceholder] = field(default_factory=list)
     items: list = field(default_factory=list)
 
-    @property
-    def num_image_tokens(self) -> int:
-        return sum(p.length for p in self.placeholders if p.modality == "image")
+    def item_tokens(self, modality: str) -> int:
+        return sum(p.length for p in self.placeholders if p.modality == modality)
 
 
 class GenerationService:
@@ -106,16 +107,18 @@ class GenerationService:
         if not messages:
             raise InvalidInput("the conversation is empty", "empty_conversation", "messages")
         try:
-            messages, images = split_images(messages)
+            messages, images, clips = split_media(messages)
         except ValueError as exc:
             raise InvalidInput(str(exc), "invalid_content", "messages") from None
-        if images:
-            if self.adapter is None:
-                raise InvalidInput("this model takes no images", "unsupported_content_type", "messages")
-            try:
-                check_image_count(len(images), self.media_limits)
-            except MediaError as exc:
-                raise InvalidInput(str(exc), exc.code, "messages") from None
+        if images and self.adapter is None:
+            raise InvalidInput("this model takes no images", "unsupported_content_type", "messages")
+        if clips and not self.hears_audio:
+            raise InvalidInput("this model takes no audio", "unsupported_content_type", "messages")
+        try:
+            check_image_count(len(images), self.media_limits)
+            check_audio_count(len(clips), self.media_limits)
+        except MediaError as exc:
+            raise InvalidInput(str(exc), exc.code, "messages") from None
         try:
             async with self._templating:
                 token_ids = await anyio.to_thread.run_sync(self._apply_template, messages, tools)
@@ -126,30 +129,39 @@ class GenerationService:
             # message where none may go): the client's conversation, not a server fault.
             raise InvalidInput(f"the model's chat template refused this conversation: {exc}",
                                "invalid_conversation", "messages") from None
-        if not images:
+        if not images and not clips:
             self.check_prompt(token_ids)
             return ChatPrompt(token_ids)
-        prompt = await self._with_images(token_ids, images)
+        prompt = await self._with_media(token_ids, images, clips)
         self.check_prompt(prompt.token_ids)
-        largest = max(p.length for p in prompt.placeholders)
-        if largest > self.encoder_budget:
-            raise InvalidInput(f"an image of {largest} embeddings is larger than the encoder cache budget of "
-                               f"{self.encoder_budget} (--encoder-cache-size)", "image_too_large", "messages")
+        largest = max(prompt.placeholders, key=lambda p: p.length)
+        if largest.length > self.encoder_budget:
+            raise InvalidInput(f"an {largest.modality} item of {largest.length} embeddings is larger than the encoder "
+                               f"cache budget of {self.encoder_budget} (--encoder-cache-size)",
+                               f"{largest.modality}_too_large", "messages")
         return prompt
 
-    async def _with_images(self, token_ids: list[int], sources: list) -> ChatPrompt:
-        # One request's images in one pool thread: requests run side by side, and a request
+    @property
+    def hears_audio(self) -> bool:
+        """Whether the model itself hears audio items (an omni model); else speech is transcribed."""
+        return self.adapter is not None and self.adapter.audio_token_id is not None
+
+    async def _with_media(self, token_ids: list[int], sources: list, clips: list) -> ChatPrompt:
+        # One request's media in one pool thread: requests run side by side, and a request
         # cannot take every thread of the pool.
         try:
-            return await anyio.to_thread.run_sync(self._preprocess, token_ids, sources, limiter=self._preprocessing)
+            return await anyio.to_thread.run_sync(self._preprocess, token_ids, sources, clips,
+                                                  limiter=self._preprocessing)
         except MediaError as exc:
             raise InvalidInput(str(exc), exc.code, "messages") from None
         except ValueError as exc:
+            # Decoding errors are MediaErrors: what is left is an image the model's processor refused.
             raise InvalidInput(str(exc), "invalid_image", "messages") from None
 
-    def _preprocess(self, token_ids: list[int], sources: list) -> ChatPrompt:
+    def _preprocess(self, token_ids: list[int], sources: list, clips: list) -> ChatPrompt:
         images = [load_image(source, self.media_limits) for source in sources]
-        token_ids, placeholders, items = expand_images(self.adapter, token_ids, images)
+        token_ids, placeholders, items = expand_items(self.adapter, token_ids, images,
+                                                      [audio_clip(clip) for clip in clips])
         return ChatPrompt(token_ids, placeholders, items)
 
     def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -213,7 +225,8 @@ class GenerationService:
                 finished, finish = update.finished, update.finish_reason
                 chunk = TextChunk(update.text, update.token_ids, finish, update.stop_reason, delta.error,
                                   len(token_ids), num_output, cached,
-                                  (delta.logprobs or [])[:len(update.token_ids)], prompt.num_image_tokens)
+                                  (delta.logprobs or [])[:len(update.token_ids)], prompt.item_tokens("image"),
+                                  prompt.item_tokens("audio"))
                 if finished:
                     self.metrics.request_finished(finish, len(token_ids), num_output, cached)
                     # Before the last yield: a stop string ends the engine request now, not

@@ -135,6 +135,9 @@ def usage_of(last_chunks: list[TextChunk]) -> dict:
     details = {"cached_tokens": first.num_cached_tokens}
     if first.num_image_tokens:
         details["image_tokens"] = first.num_image_tokens
+    if first.num_audio_tokens:
+        # As OpenAI counts an audio input (its tokens as the model hears it).
+        details["audio_tokens"] = first.num_audio_tokens
     completion = sum(chunk.num_output_tokens for chunk in last_chunks)
     return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.num_prompt_tokens + completion, "prompt_tokens_details": details}

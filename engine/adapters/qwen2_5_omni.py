@@ -27,6 +27,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniA
 from engine.adapters.base import config_values, load_weights_into
 from engine.adapters.qwen2_vl import Qwen2VLAdapter
 from engine.audio_formats import resample
+from engine.media import MediaError
 from engine.mm_inputs import ProcessedItem
 
 
@@ -120,13 +121,13 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
         """Named by the clip as sent (samples and rate); heard at the extractor's rate."""
         samples = np.asarray(samples, dtype=np.float32)
         if samples.ndim != 1 or samples.size == 0:
-            raise ValueError(f"an audio clip must be non-empty mono samples, got shape {samples.shape}")
+            raise MediaError("invalid_audio", f"an audio clip must be non-empty mono samples, got shape {samples.shape}")
         mm_hash = self.audio_hash(samples, sample_rate)
         if sample_rate != self.sample_rate:
             samples = resample(samples, sample_rate, self.sample_rate)
         if samples.size > self.max_audio_samples:
-            raise ValueError(f"an audio clip of {samples.size / self.sample_rate:.1f} s is longer than this "
-                             f"model's {self.max_audio_samples / self.sample_rate:.0f} s window")
+            raise MediaError("audio_too_long", f"an audio clip of {samples.size / self.sample_rate:.1f} s is longer "
+                             f"than this model's {self.max_audio_samples / self.sample_rate:.0f} s window")
         # As Qwen2_5OmniProcessor calls it: padded to the whole window, then the tower reads
         # only the clip's own frames (the attention mask's).
         features = self.feature_extractor(samples, sampling_rate=self.sample_rate, padding="max_length",

@@ -1,0 +1,107 @@
+"""An omni model through the real server (frontend, encoder and decoder processes), tiny Qwen2.5-Omni.
+
+The model hears `input_audio` parts itself: they are encoder items, not transcripts. Answers
+equal transformers' greedy tokens for the same clip (and with an image beside it); usage counts
+audio tokens; the same clip again is a prefix-cache hit that is not encoded again; bad audio is
+a 400 naming the problem and harms nobody else.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from engine.audio_formats import read_wav, write_wav
+from tests.omni_models import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, save_tiny_omni
+from tests.omni_reference import hf_omni_thinker_greedy
+from tests.server_harness import ServerProcess, post_json
+
+MAX_TOKENS = 6
+
+
+def tone_wav(seed: int, seconds: float = 1.2, rate: int = 16000) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return write_wav((0.3 * np.sin(2 * np.pi * (180 + 40 * seed) * t) + 0.05 * noise).astype(np.float32), rate)
+
+
+def audio_part(wav: bytes) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+def png_url(image: PIL.Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def body(content, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    return save_tiny_omni("qwen2_5_omni", tmp_path_factory.mktemp("omni") / "qwen2_5_omni")
+
+
+@pytest.fixture(scope="module")
+def server(omni, tmp_path_factory):
+    process = ServerProcess(omni, log_dir=tmp_path_factory.mktemp("logs"))
+    yield process
+    assert process.stop() == 0, process.log_text()
+
+
+def reference(omni, parts: list[str], images=(), wavs=()) -> list[int]:
+    from transformers import AutoTokenizer
+
+    template = "".join(parts)
+    prompt = AutoTokenizer.from_pretrained(omni).apply_chat_template(
+        [{"role": "user", "content": template}], add_generation_prompt=True, tokenize=False)
+    return hf_omni_thinker_greedy(omni, prompt, list(images), [read_wav(wav)[0] for wav in wavs], MAX_TOKENS)
+
+
+def test_input_audio_is_heard_by_the_model_and_answers_equal_transformers(server, omni):
+    wav = tone_wav(1)
+    content = [audio_part(wav), {"type": "text", "text": "What was that?"}]
+    status, answer = post_json(server.url + "/v1/chat/completions", body(content))
+    assert status == 200, answer
+    assert answer["choices"][0]["token_ids"] == reference(omni, [AUDIO_PLACEHOLDER, "What was that?"], wavs=[wav])
+    audio_tokens = answer["usage"]["prompt_tokens_details"]["audio_tokens"]
+    assert audio_tokens == 30  # 1.2 s: 120 mel frames, halved twice
+    # The same clip again: the prefix cache covers it, and it is not encoded again.
+    encoded = server.metric("antiphon_encoder_items_requested_total")
+    status, again = post_json(server.url + "/v1/chat/completions", body(content))
+    assert again["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > audio_tokens
+    assert server.metric("antiphon_encoder_items_requested_total") == encoded
+
+
+def test_an_image_and_a_clip_in_one_message(server, omni):
+    image = PIL.Image.fromarray(np.random.default_rng(3).integers(0, 256, (84, 112, 3), dtype=np.uint8))
+    wav = tone_wav(2, 0.8, rate=16000)
+    content = [{"type": "image_url", "image_url": {"url": png_url(image)}}, {"type": "text", "text": "and"},
+               audio_part(wav)]
+    status, answer = post_json(server.url + "/v1/chat/completions", body(content))
+    assert status == 200, answer
+    expected = reference(omni, [IMAGE_PLACEHOLDER, "and", AUDIO_PLACEHOLDER], [image], [wav])
+    assert answer["choices"][0]["token_ids"] == expected
+    details = answer["usage"]["prompt_tokens_details"]
+    assert details["image_tokens"] == 12 and details["audio_tokens"] == 20
+
+
+@pytest.mark.parametrize("part,code", [
+    ({"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}, "invalid_audio"),
+    ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....").decode(), "format": "wav"}},
+     "invalid_audio"),
+    (audio_part(tone_wav(4, 31.0, rate=8000)), "audio_too_long"),
+])
+def test_bad_audio_is_a_400_naming_the_problem(server, part, code):
+    status, answer = post_json(server.url + "/v1/chat/completions", body([part, {"type": "text", "text": "hi"}]))
+    assert (status, answer["error"]["code"]) == (400, code), answer
+    status, answer = post_json(server.url + "/v1/chat/completions", body("text still works"))
+    assert status == 200, answer
