@@ -80,6 +80,9 @@ class EngineConfig:
     # Memory of that global cache. It is sized apart from the decoder's budget above: that
     # one bounds what a step may hold, this one how many distinct images stay encoded.
     encoder_cache_gib: float = 1.0
+    # Host memory an omni model's hidden-state store may take (engine/hidden_state_store.py:
+    # one row of the thinker's width per KV slot); a KV pool that needs more is refused at start.
+    hidden_state_store_gib: float = 4.0
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
@@ -123,6 +126,8 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if not self.encoder_cache_gib >= 0:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
+        if not self.hidden_state_store_gib > 0:
+            raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
         if not self.grammar_timeout_s > 0:
             raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if not self.encoder_timeout_s > 0:

@@ -67,6 +67,26 @@ class HiddenStateStore:
     def is_whole(self, block_id: int) -> bool:
         return int(self.written[block_id]) >= self.block_size
 
+    def read_positions(self, block_ids: list[int], start: int, end: int) -> torch.Tensor | None:
+        """The rows of one request's positions start..end-1 ([end - start, width]), its blocks
+        `block_ids` in order; None while any of them is not written through yet. A block's
+        rows are written from its first slot on, so a block covering positions up to `end`
+        holds them all once it counts that many rows since its allocation."""
+        if end <= start:
+            return self.rows.new_empty(0, self.width)
+        size = self.block_size
+        first, last = start // size, (end - 1) // size
+        if last >= len(block_ids):
+            raise ValueError(f"positions up to {end} need {last + 1} blocks; the request has {len(block_ids)}")
+        blocks = torch.as_tensor(block_ids[first:last + 1], dtype=torch.int64)
+        needed = torch.full((len(blocks),), size, dtype=torch.int64)
+        needed[-1] = end - last * size
+        if bool((self.written[blocks] < needed).any()):
+            return None
+        positions = torch.arange(start, end)
+        slots = blocks[positions // size - first] * size + positions % size
+        return self.rows.index_select(0, slots)
+
     def read(self, block_ids: list[int]) -> torch.Tensor | None:
         """The rows of whole blocks (a prefix hit), [len(block_ids) * block_size, width], in
         order; None while any of them is not written through yet."""

@@ -56,7 +56,7 @@ from frontend.admission import AdmissionRefused
 from frontend.edge_decoding import InvalidInput
 from frontend.limits import EventRate
 from frontend.realtime_audio import merged_audio_settings
-from frontend.realtime_conversation import Conversation, check_call_id, item_content, message_item, new_id
+from frontend.realtime_conversation import Conversation, check_call_id, message_item, new_id
 from frontend.realtime_events import (AudioAppend, AudioClear, AudioCommit, ItemCreate, ItemDelete, ItemRetrieve,
                                       ItemTruncate, ResponseCancel, ResponseCreate, SessionUpdate,
                                       decode_client_event)
@@ -250,13 +250,13 @@ class RealtimeSession:
         item = message_item(event.item, self._takes_images)
         previous = event.previous_item_id
         self.history.check_new_item(item, previous)
-        heard_ms = 0.0
+        heard_ms, clips = 0.0, []
         # Recognized only once the cheap checks pass; an answer may join the conversation (and
         # evict items) while the audio is heard, so they are made again after it.
         if any(part["type"] == "input_audio" for part in item.get("content", ())):
-            heard_ms = await off_the_socket(self.voice.transcribe_parts(item))
+            heard_ms, clips = await off_the_socket(self.voice.transcribe_parts(item))
             self.history.check_new_item(item, previous)
-        before = self.history.insert(item, previous, heard_ms)
+        before = self.history.insert(item, previous, heard_ms, clips)
         await self.send({"type": "conversation.item.added", "previous_item_id": before, "item": item})
 
     async def on_item_delete(self, event: ItemDelete) -> None:
@@ -324,7 +324,7 @@ class RealtimeSession:
             # prompt limit on counts kept per item, before templating it.
             await self.history.refuse_past_prompt_limit(items, instructions, self.state.generation)
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
-        messages += conversation_messages(items, item_content)
+        messages += conversation_messages(items, self.history.item_content)
         try:
             lease = self.state.generation.admit(new_id("resp"))
         except AdmissionRefused as exc:

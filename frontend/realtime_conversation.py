@@ -2,7 +2,8 @@
 
 One `Conversation` owns the items by id and every number kept about them: the bytes of their
 text (the session's instructions included), at least how many tokens each takes, how much
-audio each user item was and the clauses of each spoken answer. Items join, leave, are
+audio each user item was and the clauses of each spoken answer. For a model that hears audio
+itself (an omni model) it also holds each user item's clips, counted in its bytes. Items join, leave, are
 truncated and evicted through its methods, so those numbers follow the items; the session
 adds the instructions' bytes and a response records its spoken clauses and announced ids
 directly.
@@ -15,6 +16,9 @@ from __future__ import annotations
 import uuid
 
 import anyio
+import numpy as np
+
+from engine.audio_windows import RECOGNIZER_RATE
 
 from frontend.edge_decoding import InvalidInput
 from frontend.realtime_events import MessageItem
@@ -48,6 +52,9 @@ class Conversation:
         # item.truncate); how much audio each user item was, in ms (usage counts it).
         self.spoken: dict[str, list[tuple[str, float]]] = {}
         self.heard_ms: dict[str, float] = {}
+        # For a model that hears audio: each user item's clips (float32 at RECOGNIZER_RATE), in
+        # the order of its input_audio parts; the model hears them, not their transcripts.
+        self.clips: dict[str, list[np.ndarray]] = {}
 
     def holds(self, item: dict) -> bool:
         """Whether `item` itself is still in the conversation (not deleted or evicted)."""
@@ -95,17 +102,19 @@ class Conversation:
                    else ordered[:list(self.items).index(previous) + 1])
         check_call_id(item, earlier, ordered)
 
-    def insert(self, item: dict, previous: str | None, heard_ms: float) -> str | None:
-        """A client item (checked by check_new_item) joins after `previous`, if its text fits;
-        the id of the item now before it."""
-        size = item_bytes(item)
+    def insert(self, item: dict, previous: str | None, heard_ms: float, clips: list[np.ndarray] = ()) -> str | None:
+        """A client item (checked by check_new_item) joins after `previous`, if its text (and
+        the clips a hearing model keeps) fits; the id of the item now before it."""
+        size = item_bytes(item) + clip_bytes(clips)
         if self.bytes + size > self.max_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.max_bytes} bytes "
-                               "of text (instructions included); delete some items with conversation.item.delete",
-                               "conversation_full", "item")
+                               "of text and audio (instructions included); delete some items with "
+                               "conversation.item.delete", "conversation_full", "item")
         self.items = insert_after(self.items, item, previous)
         if heard_ms:
             self.heard_ms[item["id"]] = heard_ms
+        if clips:
+            self.clips[item["id"]] = list(clips)
         self.bytes += size
         return previous_id(self.items, item["id"])
 
@@ -124,10 +133,18 @@ class Conversation:
             self.heard_ms[item["id"]] = heard_ms
             self.item_tokens.pop(item["id"], None)
 
+    def heard(self, item: dict, clip: np.ndarray) -> None:
+        """A turn's audio, kept for a model that hears it; it counts if the turn is still in
+        the conversation (a turn past the byte budget evicts nothing: it is the user's)."""
+        if self.holds(item):
+            self.clips[item["id"]] = [clip]
+            self.bytes += clip_bytes([clip])
+            self.heard_ms[item["id"]] = 1000 * len(clip) / RECOGNIZER_RATE
+
     def forget(self, item_id: str) -> dict:
         """Takes an item out of the conversation, with what the session knows of it."""
         item = self.items.pop(item_id)
-        self.bytes -= item_bytes(item)
+        self.bytes -= item_bytes(item) + clip_bytes(self.clips.pop(item_id, ()))
         self.spoken.pop(item_id, None)
         self.heard_ms.pop(item_id, None)
         self.item_tokens.pop(item_id, None)
@@ -157,6 +174,24 @@ class Conversation:
         part["transcript"] = heard
         self.item_tokens.pop(item_id, None)
         self.spoken[item_id] = [(heard, float(audio_end_ms))]
+
+    def item_content(self, item: dict) -> str | list[dict]:
+        """Text for the chat template, or the parts when the item holds images or heard clips.
+        Audio is its clip where the model hears it, else its transcript (the language model
+        hears what the recognizer heard)."""
+        clips = iter(self.clips.get(item["id"], ()))
+        parts = []
+        for part in item["content"]:
+            clip = next(clips, None) if part["type"] == "input_audio" else None
+            if clip is not None:
+                parts.append({"type": "audio", "audio": (clip, RECOGNIZER_RATE)})
+            elif part["type"] == "input_image":
+                parts.append(part)
+            else:
+                parts.append({"type": "input_text", "text": part_text(part)})
+        if any(part["type"] != "input_text" for part in parts):
+            return parts
+        return "".join(part["text"] for part in parts)
 
     def add_answer(self, item: dict) -> list[str]:
         """Append an answer to the conversation; the ids of the oldest items evicted to make room.
@@ -229,15 +264,6 @@ def previous_id(items: dict[str, dict], item_id: str) -> str | None:
     return None
 
 
-def item_content(item: dict) -> str | list[dict]:
-    """Text for the chat template, or the parts when the item holds images. Audio counts as
-    its transcript: the language model hears what the recognizer heard."""
-    if any(part["type"] == "input_image" for part in item["content"]):
-        return [part if part["type"] == "input_image" else {"type": "input_text", "text": part_text(part)}
-                for part in item["content"]]
-    return "".join(part_text(part) for part in item["content"])
-
-
 def item_text(item: dict) -> str:
     """What of an item becomes prompt text (an image's tokens are known only once it is read)."""
     if item["type"] == "message":
@@ -294,6 +320,10 @@ def part_text(part: dict) -> str:
 
 def text_bytes(text: str) -> int:
     return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def clip_bytes(clips) -> int:
+    return sum(clip.nbytes for clip in clips)
 
 
 def item_bytes(item: dict) -> int:

@@ -66,8 +66,18 @@ class VoiceTurns:
     def _input_settings(self) -> dict:
         return self.session.session["audio"]["input"]
 
+    @property
+    def hears_audio(self) -> bool:
+        """Whether the model hears turns itself (an omni model): then they are not transcribed."""
+        return self.session.state.generation.hears_audio
+
+    def _require_audio_in(self, param: str) -> None:
+        """Audio in needs the recognizer, unless the model hears it itself."""
+        if not self.hears_audio:
+            require_voice(self.session.state.engine_config, param)
+
     async def append(self, event: AudioAppend) -> None:
-        require_voice(self.session.state.engine_config, "audio")
+        self._require_audio_in("audio")
         settings = self._input_settings
         samples = decode_client_audio(event.audio, settings["format"]["type"], "audio")
         seconds = len(samples) / settings["format"]["rate"]
@@ -113,7 +123,7 @@ class VoiceTurns:
         pause ends the turn (silence_duration_ms): when it does, the transcript is (nearly)
         ready. Speech that resumes drops the early result; the encoder's work on it is lost."""
         pause = detector.silence_from_ms
-        if pause is None or self.speech_item_id is None:
+        if pause is None or self.speech_item_id is None or self.hears_audio:
             self.drop_early_transcript()
             return
         # Not at every gap between words: only a pause already close to ending the turn, and
@@ -164,14 +174,14 @@ class VoiceTurns:
         await self._commit(item_id, start_ms, detection["create_response"], None, early)
 
     async def commit(self, event: AudioCommit) -> None:
-        require_voice(self.session.state.engine_config, "input_audio_buffer")
+        self._require_audio_in("input_audio_buffer")
         if self.audio_buffer.duration_ms < 100:
             raise InvalidInput(f"the input audio buffer holds {self.audio_buffer.duration_ms} ms of audio; "
                                "a commit needs at least 100 ms", "input_audio_buffer_commit_empty")
         await self._commit(self.speech_item_id or new_id("item"), None, False, event.event_id)
 
     async def clear(self) -> None:
-        require_voice(self.session.state.engine_config, "input_audio_buffer")
+        self._require_audio_in("input_audio_buffer")
         self.audio_buffer.clear()
         self.reset_turn()
         await self.session.send({"type": "input_audio_buffer.cleared"})
@@ -226,6 +236,12 @@ class VoiceTurns:
         previous = history.append_turn(item)
         await session.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
         await session.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        if self.hears_audio:
+            # The model hears the turn itself: its clip joins the conversation, untranscribed.
+            history.heard(item, audio)
+            if create_response and history.holds(item):
+                await session.on_response_create(ResponseCreate(event_id=client_event_id), barge_ins)
+            return
         reporting = self._input_settings["transcription"] is not None
         failure = None
         try:
@@ -263,14 +279,16 @@ class VoiceTurns:
         if create_response and history.holds(item):
             await session.on_response_create(ResponseCreate(event_id=client_event_id), barge_ins)
 
-    async def transcribe_parts(self, item: dict) -> float:
+    async def transcribe_parts(self, item: dict) -> tuple[float, list]:
         """conversation.item.create with input_audio parts: each part's transcript is its text
-        (the audio itself is not kept). Returns the audio's length in ms."""
+        (the audio itself is not kept), or, where the model hears audio itself, each part's clip
+        is kept for it (at RECOGNIZER_RATE). Returns the audio's length in ms and the clips."""
         from engine.audio_formats import resample
 
-        require_voice(self.session.state.engine_config, "item.content")
+        self._require_audio_in("item.content")
         audio_format = self._input_settings["format"]
         heard_ms = 0.0
+        clips = []
         for part in item["content"]:
             if part["type"] != "input_audio":
                 continue
@@ -278,6 +296,11 @@ class VoiceTurns:
             if len(samples) > self.config.max_audio_buffer_seconds * audio_format["rate"]:
                 raise InvalidInput(f"an input_audio part holds at most {self.config.max_audio_buffer_seconds:g} s",
                                    "audio_too_long", "item.content")
+            heard_ms += 1000 * len(samples) / audio_format["rate"]
+            if self.hears_audio:
+                part["transcript"] = None
+                clips.append(resample(samples, audio_format["rate"], RECOGNIZER_RATE))
+                continue
             try:
                 text, heard = await transcribe(self.session.state.client,
                                                resample(samples, audio_format["rate"], RECOGNIZER_RATE),
@@ -288,5 +311,4 @@ class VoiceTurns:
                 raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
                                    "item.content")
             part["transcript"] = text
-            heard_ms += 1000 * len(samples) / audio_format["rate"]
-        return heard_ms
+        return heard_ms, clips

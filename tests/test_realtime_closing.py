@@ -72,6 +72,7 @@ class ScriptedGeneration:
     floor = None  # counted by the tokenizer
     max_prompt_tokens = 8192
     tool_parser = parser_for()
+    hears_audio = False  # a text model: turns are transcribed
 
     def __init__(self, chunks: list[TextChunk]) -> None:
         self.admission = Admission(8)

@@ -105,3 +105,39 @@ def test_bad_audio_is_a_400_naming_the_problem(server, part, code):
     assert (status, answer["error"]["code"]) == (400, code), answer
     status, answer = post_json(server.url + "/v1/chat/completions", body("text still works"))
     assert status == 200, answer
+
+
+async def test_realtime_input_audio_is_heard_and_answers_like_http(server):
+    from engine.audio_formats import to_pcm16
+    from frontend.client import RealtimeClient, audio_part as realtime_audio_part
+
+    # Realtime's pcm16 is 24 kHz; the same clip over HTTP as a 24 kHz WAV is resampled the same way.
+    wav = tone_wav(5, 1.0, rate=24000)
+    samples, _ = read_wav(wav)
+    content = [audio_part(wav), {"type": "text", "text": "Answer that."}]
+    status, plain = post_json(server.url + "/v1/chat/completions", body(content))
+    assert status == 200, plain
+    async with RealtimeClient(server.ws_url) as client:
+        await client.update_session(temperature=0, max_output_tokens=MAX_TOKENS)
+        response = await client.create_response(
+            [{"role": "user", "content": [realtime_audio_part(to_pcm16(samples).tobytes()), "Answer that."]}])
+        text = "".join([delta async for delta in response])
+    assert text == plain["choices"][0]["message"]["content"]
+
+
+async def test_a_committed_turn_is_heard_without_a_recognizer(server):
+    # This server runs --no-voice: a cascade would refuse audio in; the omni model hears it.
+    from engine.audio_formats import to_pcm16
+    from frontend.client import RealtimeClient
+
+    samples, _ = read_wav(tone_wav(6, 1.0, rate=24000))
+    encoded = server.metric("antiphon_encoder_items_requested_total")
+    async with RealtimeClient(server.ws_url) as client:
+        await client.update_session(temperature=0, max_output_tokens=MAX_TOKENS,
+                                    audio={"input": {"turn_detection": None}})
+        await client.append_audio(to_pcm16(samples).tobytes())
+        await client.commit_audio()
+        response = await client.create_response()
+        text = "".join([delta async for delta in response])
+    assert response.status == "incomplete" and text  # stopped at max_output_tokens
+    assert server.metric("antiphon_encoder_items_requested_total") == encoded + 1

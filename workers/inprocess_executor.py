@@ -14,6 +14,7 @@ from engine.adapters import adapter_for
 from engine.checkpoint import load_tokenizer, resolve_model_path
 from engine.grammars import GrammarCompiler
 from engine.config import EngineConfig, global_encoder_cache_size
+from engine.hidden_state_store import HiddenStateStore
 from engine.executor import KVCacheSpec
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.inprocess_encoder import InProcessEncoder
@@ -107,8 +108,13 @@ class InProcessExecutor:
     def _runner(self, num_blocks: int, block_size: int, grammars, decode_graphs: str = "off",
                 max_model_len: int | None = None) -> ModelRunner:
         spec = self.kv_cache_spec
+        width = self.adapter.talker_row_width() if self.adapter is not None else None
+        # An omni thinker's rows for its talker, in the KV pool's layout (seed 002).
+        hidden_store = None if width is None else HiddenStateStore(
+            num_blocks, block_size, width, self.model_dtype, max_bytes=int(self.config.hidden_state_store_gib * 2**30))
         return ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
                                                     spec.head_dim, self.kv_cache_dtype), self.adapter, grammars,
+                           hidden_store=hidden_store,
                            attention_backend=self.attention_backend, decode_graphs=decode_graphs,
                            # No decode batch is larger than either of the scheduler's limits.
                            max_graph_batch_size=min(self.config.max_graph_batch_size, self.config.max_num_seqs,

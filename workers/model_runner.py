@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammars import GrammarCompiler
+from engine.hidden_state_store import HiddenStateStore
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.batch_planning import PackedBatch, RunnerRequest, plan_batch
@@ -59,8 +60,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache_shape: KVCacheShape, adapter=None,
                  grammar_compiler: GrammarCompiler | None = None, attention_backend: str = "torch",
                  decode_graphs: str = "off", max_graph_batch_size: int = 256,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, hidden_store: HiddenStateStore | None = None) -> None:
         self.model = model
+        # An omni thinker's per-position rows for its talker, written every step through the
+        # step's slot mapping, where the keys and values go (engine/hidden_state_store.py).
+        self.hidden_store = hidden_store
         # A rescored output layer (fast CPU modes: workers/cpu/output_layer.py) to be told which
         # rows need float32 logits and which steps are plain greedy.
         output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -144,6 +148,11 @@ class ModelRunner:
             if self.uses_mrope and state.mm_placeholders:
                 state.mrope_positions, state.mrope_delta = self.adapter.prompt_positions(
                     new.num_prompt_tokens, state.mm_placeholders)
+            if self.hidden_store is not None:
+                # Blocks the prefix cache gave it keep their rows (a hit that covers the whole
+                # prompt recomputes its last token inside the last hit block); the rest are fresh.
+                hits = -(-new.num_computed_tokens // self.block_size)
+                self.hidden_store.allocated(state.block_ids[hits:])
         for mm_hash, embeddings in sched.new_embeddings.items():
             self.item_embeddings[mm_hash] = embeddings.to(self.device, self.dtype)
         cached = sched.cached_requests
@@ -152,6 +161,8 @@ class ModelRunner:
             state = self.requests[request_id]
             if new_block_ids:
                 state.block_ids.extend(new_block_ids)
+                if self.hidden_store is not None:
+                    self.hidden_store.allocated(new_block_ids)
             state.num_computed_tokens = num_computed
 
     def _structured(self) -> StructuredDecoding:
@@ -251,11 +262,15 @@ class ModelRunner:
                 return self.lean.forward(input_ids, positions, logits_index, attention)
             input_ids = input_ids.unsqueeze(0)
             if self.adapter is None:
-                inputs = {"input_ids": input_ids}
-            else:
-                inputs = {"inputs_embeds": self._input_embeddings(input_ids, states, batch)}
-            return self.model(**inputs, position_ids=positions, use_cache=False,
-                              logits_to_keep=logits_index).logits[0]
+                return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                  logits_to_keep=logits_index).logits[0]
+            embeds, item_rows = self._input_embeddings(input_ids, states, batch)
+            logits = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
+                                logits_to_keep=logits_index).logits[0]
+            if self.hidden_store is not None:
+                rows = self.adapter.talker_rows(self.model.last_hidden_states[0], embeds[0], item_rows)
+                self.hidden_store.write(torch.from_numpy(batch.slot_mapping), rows.cpu())
+            return logits
 
     def _positions(self, batch: PackedBatch) -> torch.Tensor:
         """The step's positions on the device, shaped as the model takes them."""
@@ -264,9 +279,11 @@ class ModelRunner:
         return self.to_device("positions", batch.positions).unsqueeze(0)
 
     def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
-                          batch: PackedBatch) -> torch.Tensor:
-        """Token embeddings, with each item's rows in this step replaced by its embeddings."""
+                          batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token embeddings, with each item's rows in this step replaced by its embeddings, and
+        which rows are items' ([T] bool)."""
         embeds = self.embed_tokens(input_ids)
+        item_rows = torch.zeros(embeds.shape[1], dtype=torch.bool, device=embeds.device)
         for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
                                          batch.query_offsets.tolist()):
             for item in state.mm_placeholders:
@@ -278,7 +295,15 @@ class ModelRunner:
                     # The scheduler never schedules an item's tokens before its embeddings.
                     raise RuntimeError(f"embeddings of item {item.mm_hash[:16]} are not in the runner")
                 embeds[0, q0 + lo - start:q0 + hi - start] = source[lo - item.offset:hi - item.offset]
-        return embeds
+                item_rows[q0 + lo - start:q0 + hi - start] = True
+        return embeds, item_rows
+
+    def talker_rows(self, request_id: str, start: int, end: int) -> torch.Tensor | None:
+        """An omni request's talker rows for positions start..end-1, from the hidden-state store
+        (computed by its own steps or found by its prefix hit); None while a block among them
+        is not written through yet (seed 002: a hit published before its forward ran)."""
+        state = self.requests[request_id]
+        return self.hidden_store.read_positions(state.block_ids, start, end)
 
 
 def _reads_the_whole_row(params: SamplingParams) -> bool:

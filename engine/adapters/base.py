@@ -145,6 +145,17 @@ class ModelAdapter:
         its text attention `attn_implementation`, its towers dropped."""
         raise NotImplementedError
 
+    def talker_row_width(self) -> int | None:
+        """An omni model's: the width of the per-position rows its talker consumes (the decoder
+        keeps them in a hidden-state store); None for a model without a talker."""
+        return None
+
+    def talker_rows(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
+                    item_rows: torch.Tensor) -> torch.Tensor:
+        """The talker's rows for a step's positions [T, talker_row_width()], from the thinker's
+        final hidden states [T, H], its input embeddings [T, H] and which rows were items' [T]."""
+        raise NotImplementedError(f"{self.family} has no talker")
+
     def prompt_positions(self, num_prompt_tokens: int,
                          placeholders: list[MultiModalPlaceholder]) -> tuple[np.ndarray, int]:
         """M-RoPE families only: [3, num_prompt_tokens] int64 positions of the prompt and the

@@ -157,6 +157,16 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
                 "audio": config_values(self.hf_config.audio_config),
                 "feature_extractor": self.feature_extractor.to_dict()}
 
+    def talker_row_width(self) -> int:
+        return self.hf_config.text_config.hidden_size
+
+    def talker_rows(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
+                    item_rows: torch.Tensor) -> torch.Tensor:
+        """As Qwen2_5OmniForConditionalGeneration.generate builds the talker's input: the
+        thinker's last hidden state plus its layer-0 embedding, which is zero where an image,
+        audio or video item stood (the talker hears the thinker's reading of it, not the item)."""
+        return hidden_states + input_embeds.masked_fill(item_rows.unsqueeze(-1), 0)
+
     # ---- model side ----------------------------------------------------------------------
 
     def load_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
