@@ -169,6 +169,8 @@ def _add_engine_options(group) -> None:
                        help="turn the encoder's global cache off: every image is encoded, to measure what the "
                             "cache saves")
     engine.add("encoder_timeout_s", "a request whose image the encoder has not delivered after this long fails")
+    engine.add("hidden_state_store_gib", "host memory an omni model's hidden-state store may take (one row of the "
+                                         "thinker's width per KV slot); a KV pool that needs more is refused at start")
     # The server serves voice unless told not to; the offline LLM (EngineConfig's default) does not.
     group.add_argument("--no-voice", action="store_true",
                        help="serve text only: no speech recognition (encoder) nor synthesis (talker process); "
@@ -215,6 +217,8 @@ def _add_server_options(group) -> None:
     server.add("max_image_pixels", "width x height, read from the header before decoding; past it 400 "
                                    "image_too_many_pixels")
     server.add("max_images_per_request", "images one request may hold; past it 400 too_many_images")
+    server.add("max_audio_clips_per_request", "audio clips one request may hold, for a model that hears them (an "
+                                              "omni model); past it 400 too_many_audio_clips")
     server.add("allowed_local_media_path", "a folder whose files requests may name as images, by path or file:// "
                                            "URL; else local_file_not_allowed (remote URLs are never fetched)")
     server.add("max_prompt_tokens", "longest prompt after the chat template, within the context; past it 400 "

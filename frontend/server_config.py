@@ -37,6 +37,8 @@ class ServerConfig:
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 16_000_000
     max_images_per_request: int = 8
+    # Audio clips one request may hold, for a model that hears them (an omni model).
+    max_audio_clips_per_request: int = 8
     allowed_local_media_path: str | None = None
     # Per Realtime session: items kept in the conversation (a client item past it is refused:
     # delete some to go on; an answer evicts the oldest items instead), their text, and client
@@ -110,14 +112,16 @@ class ServerConfig:
     max_messages: int = 2048
 
     def media_limits(self):
-        """The image limits as engine/media.py takes them (raises ValueError for bad values)."""
+        """The image and clip limits as engine/media.py takes them (raises ValueError for bad values)."""
         from pathlib import Path
 
         from engine.media import MediaLimits
 
         folder = Path(self.allowed_local_media_path) if self.allowed_local_media_path else None
         return MediaLimits(max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
-                           max_images_per_request=self.max_images_per_request, allowed_local_media_path=folder)
+                           max_images_per_request=self.max_images_per_request,
+                           max_audio_clips_per_request=self.max_audio_clips_per_request,
+                           allowed_local_media_path=folder)
 
     def __post_init__(self) -> None:
         for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",

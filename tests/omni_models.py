@@ -16,6 +16,7 @@ covers the talker's vocabulary.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,22 +70,55 @@ def build_omni_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniConfig:
+@dataclass(frozen=True)
+class OmniSizes:
+    """A thinker and its towers; the defaults are the tiny test model (a forward in
+    milliseconds). The talker and codec stay tiny at every size."""
+
+    width: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    vision_width: int = 32
+    vision_depth: int = 2
+    vision_heads: int = 2
+    audio_width: int = 32
+    audio_layers: int = 2
+    audio_heads: int = 2
+    mel_bins: int = MEL_BINS
+    # The tower attends within windows of 2 * n_window mel frames (a second spans many here).
+    audio_window: int = 8
+    # Pixels an image may have (28x28 is one embedding): at most 16 embeddings in the tests.
+    max_pixels: int = 16 * 28 * 28
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Time, height and width sections summing to head_dim / 2 (Qwen's 16/24/24 for 128)."""
+    half = head_dim // 2
+    time = half // 4
+    return [time, (half - time) // 2, half - time - (half - time) // 2]
+
+
+def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast, sizes: OmniSizes) -> Qwen2_5OmniConfig:
     ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)))
-    width = 64
-    text = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                # head_dim 16: the three M-RoPE sections (time, height, width) sum to head_dim / 2.
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    width = sizes.width
+    text = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=sizes.intermediate,
+                num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
+                max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": _mrope_section(width // sizes.heads)},
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 # Wider than the default 0.02 so logits are decisive and greedy choices are not ties.
                 initializer_range=0.2, tie_word_embeddings=False)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                  out_hidden_size=width, initializer_range=0.2)
-    # n_window 8: the tower attends within windows of 16 mel frames, so a clip of a second spans many.
-    audio = dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
-                 d_model=32, output_dim=width, n_window=8, max_source_positions=1500, initializer_range=0.2)
+    vision = dict(depth=sizes.vision_depth, hidden_size=sizes.vision_width, intermediate_size=2 * sizes.vision_width,
+                  num_heads=sizes.vision_heads, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=56, fullatt_block_indexes=[sizes.vision_depth - 1], out_hidden_size=width,
+                  initializer_range=0.2)
+    audio = dict(num_mel_bins=sizes.mel_bins, encoder_layers=sizes.audio_layers,
+                 encoder_attention_heads=sizes.audio_heads, encoder_ffn_dim=2 * sizes.audio_width,
+                 d_model=sizes.audio_width, output_dim=width, n_window=sizes.audio_window, max_source_positions=1500,
+                 initializer_range=0.2)
     thinker = dict(text_config=text, vision_config=vision, audio_config=audio,
                    audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"],
                    video_token_index=ids["<|VIDEO|>"], vision_start_token_id=ids["<|vision_bos|>"],
@@ -114,33 +148,34 @@ def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniConfi
                              token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
 
 
-def _feature_extractor() -> WhisperFeatureExtractor:
-    return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=160,
+def _feature_extractor(sizes: OmniSizes) -> WhisperFeatureExtractor:
+    return WhisperFeatureExtractor(feature_size=sizes.mel_bins, sampling_rate=SAMPLE_RATE, hop_length=160,
                                    chunk_length=30, n_fft=400, return_attention_mask=True)
 
 
-def _image_processor() -> Qwen2VLImageProcessorPil:
-    # 28x28 pixels is one embedding (14-pixel patches merged 2x2); at most 16 embeddings an image.
-    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
+def _image_processor(sizes: OmniSizes) -> Qwen2VLImageProcessorPil:
+    # 28x28 pixels is one embedding (14-pixel patches merged 2x2).
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=sizes.max_pixels, patch_size=14, merge_size=2,
                                     temporal_patch_size=2)
 
 
-def save_tiny_omni(family: str, folder: Path, seed: int = 0) -> Path:
-    """Save a tiny random `family` checkpoint (one of FAMILIES) into `folder`; returns `folder`."""
+def save_tiny_omni(family: str, folder: Path, seed: int = 0, sizes: OmniSizes = OmniSizes()) -> Path:
+    """Save a random `family` checkpoint (one of FAMILIES) into `folder`, tiny unless `sizes`
+    says otherwise; returns `folder`."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     folder = Path(folder)
     tokenizer = build_omni_tokenizer()
     torch.manual_seed(seed)
-    config = _qwen2_5_omni_config(tokenizer)
+    config = _qwen2_5_omni_config(tokenizer, sizes)
     model = Qwen2_5OmniForConditionalGeneration(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # One preprocessor_config.json for both processors, as the real checkpoint ships it: the
     # image processor and the feature extractor each read their own keys from it.
-    _image_processor().save_pretrained(folder)
+    _image_processor(sizes).save_pretrained(folder)
     combined = json.loads((folder / "preprocessor_config.json").read_text())
-    combined.update(_feature_extractor().to_dict())
+    combined.update(_feature_extractor(sizes).to_dict())
     (folder / "preprocessor_config.json").write_text(json.dumps(combined, indent=2, sort_keys=True))
     # Each speaker: the thinker token that opens the talker's text stream, the codec's
     # conditioning vector and its reference mel spectrogram.

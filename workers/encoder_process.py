@@ -78,11 +78,12 @@ class EncoderWorker:
             budget = global_encoder_cache_size(self.config, adapter.max_embeddings_per_item(),
                                                adapter.embedding_size() * dtype.itemsize)
             self.encoder = InProcessEncoder(adapter, dtype, device, budget, track_cache_changes=True)
-            warm_up_item = adapter.warm_up_item()
-            seconds = self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), warm_up_item)
-            self.max_batch_embeddings = WARM_UP_BATCH_SIZES[-1] * warm_up_item.num_embeddings
-            logger.info("vision encoder of %s loaded; global cache %d embeddings (%.2f GiB, ~%d of the largest "
-                        "images); warmed up batch sizes %s in %.2f s", path.name, budget,
+            warm_up_items = adapter.warm_up_items()
+            seconds = sum(self.encoder.warm_up(list(WARM_UP_BATCH_SIZES), item) for item in warm_up_items)
+            self.max_batch_embeddings = WARM_UP_BATCH_SIZES[-1] * warm_up_items[0].num_embeddings
+            logger.info("%s encoder of %s loaded; global cache %d embeddings (%.2f GiB, ~%d of the largest "
+                        "items); warmed up batch sizes %s in %.2f s",
+                        " and ".join(item.modality for item in warm_up_items), path.name, budget,
                         budget * adapter.embedding_size() * dtype.itemsize / (1 << 30),
                         budget // adapter.max_embeddings_per_item(), list(WARM_UP_BATCH_SIZES), seconds)
         self.loop.ready()

@@ -56,9 +56,10 @@ class ModelAdapter:
     def process_image(self, image: PIL.Image.Image) -> ProcessedItem:
         raise NotImplementedError
 
-    def warm_up_item(self) -> ProcessedItem:
-        """A plain mid-sized image, for the encoder's start-up warm-up."""
-        return self.process_image(PIL.Image.new("RGB", (224, 224), (127, 127, 127)))
+    def warm_up_items(self) -> list[ProcessedItem]:
+        """One plain item per modality the model takes (a mid-sized image first), for the
+        encoder's start-up warm-up: the first real request of each kind pays no lazy set-up."""
+        return [self.process_image(PIL.Image.new("RGB", (224, 224), (127, 127, 127)))]
 
     def mm_hash(self, image: PIL.Image.Image) -> str:
         """sha256 over the model identity, the processor settings, and the decoded image as

@@ -138,6 +138,10 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
                              num_embeddings=audio_embedding_count(frames), tower_input=tower_input,
                              modality="audio")
 
+    def warm_up_items(self) -> list[ProcessedItem]:
+        tone = np.sin(2 * np.pi * 220 * np.arange(self.sample_rate) / self.sample_rate).astype(np.float32)
+        return [*super().warm_up_items(), self.process_audio(0.1 * tone, self.sample_rate)]
+
     def audio_hash(self, samples: np.ndarray, sample_rate: int) -> str:
         """sha256 over the model identity (towers and both processors' settings), the rate, and
         the float32 samples; the header fixes the byte count, so the encoding is unambiguous."""
