@@ -31,10 +31,18 @@ class LLM:
         self.engine = LLMEngine(engine_config, factory(engine_config))
         self.tokenizer = self.engine.tokenizer
         self.template = ChatTemplate(self.tokenizer)
+        # An omni model's talker and codec, loaded on the first spoken answer.
+        self._speech = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in the order of the prompts."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 voice: str | None = None, talker_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of the prompts. With an
+        omni model and a `voice` (one of its speakers), each answer is spoken too: the output
+        carries its codec tokens, waveform and sample rate (`talker_params`: how the talker
+        samples; Qwen2.5-Omni's own defaults if None)."""
+        if voice is not None:
+            return self._generate_spoken(prompts, sampling_params, voice, talker_params)
         finished: dict[str, RequestOutput] = {}
         request_ids = self._add_all(prompts, sampling_params)
         while len(finished) < len(request_ids):
@@ -64,11 +72,41 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             chat_template: str | None = None, voice: str | None = None,
+             talker_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (spoken too with an omni model and a `voice`: see generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, chat_template) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, voice, talker_params)
+
+    def _generate_spoken(self, prompts, sampling_params, voice: str,
+                         talker_params: SamplingParams | None) -> list[RequestOutput]:
+        from engine.omni_speech import DEFAULT_TALKER_PARAMS, OmniSpeech
+
+        if self._speech is None:
+            self._speech = OmniSpeech(self.engine)
+        speech = self._speech
+        requests = self._add_all(prompts, sampling_params, keep_requests=True)
+        for request in requests:
+            speech.add(request.request_id, request.prompt_token_ids, request.mm_placeholders, voice,
+                       talker_params or DEFAULT_TALKER_PARAMS)
+        texts: dict[str, RequestOutput] = {}
+        spoken: dict[str, object] = {}
+        while len(spoken) < len(requests):
+            if not self.engine.has_unfinished_requests and not speech.busy:
+                raise RuntimeError("engine went idle with spoken answers unfinished")
+            outputs = self.engine.step()
+            speech.after_thinker_step(outputs)
+            texts.update((out.request_id, out) for out in outputs if out.finished)
+            spoken.update((answer.request_id, answer) for answer in speech.talker_step())
+        results = []
+        for request in requests:
+            out, answer = texts[request.request_id], spoken[request.request_id]
+            out.codec_token_ids, out.audio = answer.codes, answer.waveform.numpy()
+            out.sample_rate = speech.spec.sample_rate
+            results.append(out)
+        return results
 
     def chat_prompt(self, messages: Messages, chat_template: str | None = None) -> Prompt:
         """The conversation as a prompt: token ids, or with images or audio a dict of token ids
@@ -88,7 +126,8 @@ class LLM:
         messages are text (engine/chat_template.py)."""
         return self.template.token_ids(messages, chat_template=chat_template)
 
-    def _add_all(self, prompts, sampling_params) -> list[str]:
+    def _add_all(self, prompts, sampling_params, keep_requests: bool = False) -> list:
+        """The requests' ids (or, with keep_requests, the requests themselves), added."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -106,7 +145,8 @@ class LLM:
         except Exception:
             self.engine.discard_unadded_items()
             raise
-        return [self.engine.add_engine_request(r) for r in requests]
+        ids = [self.engine.add_engine_request(r) for r in requests]
+        return requests if keep_requests else ids
 
 
 def default_executor_factory() -> Callable[[EngineConfig], Executor]:

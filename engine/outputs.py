@@ -24,6 +24,11 @@ class RequestOutput:
     # What this step added, for streaming.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # A spoken answer (an omni model asked for a voice): the talker's codec tokens and the
+    # codec's waveform (float32 mono) at its sample rate.
+    codec_token_ids: list[int] | None = None
+    audio: object | None = None
+    sample_rate: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -76,6 +76,9 @@ class Request:
     # scheduled before that is done, and fails if the compile fails. When it was asked for.
     grammar: object | None = None
     grammar_asked_at: float = 0.0
+    # Positions whose inputs exist yet (an omni talker's: rows the thinker has made so far);
+    # none past it is scheduled. None: every input exists (its tokens).
+    input_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

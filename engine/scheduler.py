@@ -74,6 +74,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def set_input_limit(self, request_id: str, limit: int | None) -> None:
+        """More of a request's inputs exist (None: all of them, for ever)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.input_limit = limit
+
     def check_request(self, request: Request) -> None:
         """Raises ValueError if the request could never run here; changes nothing."""
         if request.request_id in self.requests:
@@ -175,6 +181,8 @@ class Scheduler:
                           budget)
             if request.mm_placeholders and num_new > 0:
                 num_new = self.embeddings.schedulable(request, request.num_computed_tokens, num_new)
+            if request.input_limit is not None:
+                num_new = min(num_new, request.input_limit - request.num_computed_tokens)
             if num_new <= 0 or self._will_have_finished(request):
                 index += 1
                 continue
@@ -212,6 +220,11 @@ class Scheduler:
                 cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if request.input_limit is not None:
+                num_new = min(num_new, request.input_limit - request.num_computed_tokens - num_cached)
+                if num_new <= 0:
+                    awaiting_embeddings.append(self.waiting.popleft())
+                    continue
             if request.mm_placeholders:
                 num_new = self.embeddings.schedulable(request, request.num_computed_tokens + num_cached, num_new)
                 if num_new == 0:
@@ -296,9 +309,10 @@ class Scheduler:
                                 f"{self.kv.pool.num_usable_blocks}; raise num_kv_blocks or lower max_tokens")
 
     def _guard_against_stall(self, out: SchedulerOutput) -> None:
-        # Waiting on the encoder or on a grammar is not a stall: their timeouts bound the wait.
+        # Waiting on the encoder, a grammar or inputs another stage makes is not a stall: their
+        # timeouts (or that stage's end) bound the wait.
         if (out.num_scheduled_tokens or not self.waiting or self.embeddings.num_in_flight
-                or self.waiting_on_grammar):
+                or self.waiting_on_grammar or any(r.input_limit is not None for r in self.running)):
             self.stalled_steps = 0
             return
         self.stalled_steps += 1

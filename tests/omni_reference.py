@@ -58,3 +58,51 @@ def hf_omni_thinker_greedy(path: Path, prompt_text: str, images: list[PIL.Image.
             **inputs, generation_mode="text", thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
             thinker_eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _keep_attention_mask(module, args, kwargs):
+    """transformers 5.23's generate drops an all-ones attention mask before the forward, and
+    Qwen2.5-Omni's talker adds its codec pad/bos embeddings and takes its M-RoPE positions only
+    when a mask is given (a padded batch gets them; a single prompt does not). The model's own
+    code means them to be there: give the talker the mask back."""
+    if kwargs.get("attention_mask") is None:
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0
+        inputs = kwargs.get("inputs_embeds")
+        new = (inputs if inputs is not None else kwargs["input_ids"]).shape[1]
+        kwargs["attention_mask"] = torch.ones(1, past + new, dtype=torch.long)
+    return args, kwargs
+
+
+def hf_omni_spoken_greedy(path: Path, prompt_text: str, images: list, clips: list, max_new_tokens: int,
+                          max_codes: int, speaker: str, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """The thinker's greedy tokens, the talker's greedy codes (no repetition penalty) and the
+    codec's waveform, its noise drawn after torch.manual_seed(seed)."""
+    model = load_reference_omni(Path(path))
+    if not getattr(model, "_antiphon_mask_hook", False):
+        model.talker.register_forward_pre_hook(_keep_attention_mask, with_kwargs=True)
+        model._antiphon_mask_hook = True
+    captured = {}
+    token2wav = model.token2wav.forward
+
+    def codes_then_seeded(code, **kwargs):
+        captured["codes"] = code[0].tolist()
+        torch.manual_seed(seed)
+        return token2wav(code, **kwargs)
+
+    model.token2wav.forward = codes_then_seeded
+    try:
+        inputs = dict(hf_omni_inputs(path, prompt_text, images, clips))
+        # Unprefixed, the pixels would reach the talker too, whose generate refuses them; the
+        # talker takes the image grids (for its positions) under its own prefix.
+        if "pixel_values" in inputs:
+            inputs["thinker_pixel_values"] = inputs.pop("pixel_values")
+            inputs["talker_image_grid_thw"] = inputs["thinker_image_grid_thw"] = inputs.pop("image_grid_thw")
+        with torch.no_grad():
+            sequences, waveform = model.generate(
+                **inputs, speaker=speaker, thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
+                thinker_eos_token_id=None, talker_max_new_tokens=max_codes, talker_do_sample=False,
+                talker_repetition_penalty=1.0)
+    finally:
+        model.token2wav.forward = token2wav
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), captured["codes"], waveform

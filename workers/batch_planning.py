@@ -34,6 +34,8 @@ class RunnerRequest:
     # M-RoPE only: the prompt's [3, num_prompt_tokens] positions; later tokens sit at t + delta.
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    # A talker request's input rows (workers/talker_runner.py TalkerRows); None elsewhere.
+    input_rows: object | None = None
 
     @property
     def computes_prompt(self) -> bool:

@@ -1,0 +1,68 @@
+"""Spoken answers from an omni model, offline: thinker -> talker -> codec.
+
+With a greedy thinker and a greedy talker, the text tokens, the talker's codec tokens and the
+codec's waveform equal transformers' Qwen2.5-Omni `generate` (the codec starts from noise: both
+sides draw it after the same seed, so the waveforms are equal to float tolerance). The talker
+runs as a second engine core, fed the thinker's rows step by step: answers batched together
+equal answers alone, whatever the block size; a prompt with an image and a clip takes the
+talker's M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.omni_models import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, save_tiny_omni
+from tests.omni_reference import hf_omni_spoken_greedy
+from tests.test_omni_parity import as_prompt, clip, picture
+
+MAX_TOKENS, MAX_CODES, SEED = 6, 40, 123
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+CASES = [
+    (CHAT.format("Once upon a time"), [], []),
+    (CHAT.format(f"See {IMAGE_PLACEHOLDER} and hear {AUDIO_PLACEHOLDER}"), [picture(3)], [clip(4, 1.2)]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(tmp_path_factory):
+    return save_tiny_omni("qwen2_5_omni", tmp_path_factory.mktemp("omni-speech") / "qwen2_5_omni")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_omni):
+    return [hf_omni_spoken_greedy(tiny_omni, text, images, clips, MAX_TOKENS, MAX_CODES, "Chelsie", SEED)
+            for text, images, clips in CASES]
+
+
+def speak(llm: LLM, cases) -> list:
+    torch.manual_seed(SEED)  # one answer at a time through the codec: the same noise as the reference
+    return llm.generate([as_prompt(*case) for case in cases], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                            ignore_eos=True),
+                        voice="Chelsie", talker_params=SamplingParams(temperature=0, max_tokens=MAX_CODES))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_text_codes_and_waveform_equal_transformers(tiny_omni, expected, block_size):
+    llm = LLM(str(tiny_omni), quantization="none", block_size=block_size)
+    for case, (tokens, codes, waveform) in zip(CASES, expected):
+        out, = speak(llm, [case])
+        assert out.token_ids == tokens
+        assert out.codec_token_ids == codes
+        assert out.sample_rate == 24000
+        np.testing.assert_allclose(out.audio, waveform.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_answers_spoken_together_equal_each_alone(tiny_omni, expected):
+    llm = LLM(str(tiny_omni), quantization="none", block_size=4)
+    outs = speak(llm, CASES)
+    assert [(o.token_ids, o.codec_token_ids) for o in outs] == [(t, c) for t, c, _ in expected]
+
+
+def test_an_unknown_voice_is_a_clear_error(tiny_omni):
+    llm = LLM(str(tiny_omni), quantization="none")
+    with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
+        llm.generate("hi", SamplingParams(max_tokens=2), voice="Nobody")
