@@ -11,13 +11,13 @@ proportions: the vision tower and the audio tower about a third of the thinker's
 depth the thinker's (32 blocks beside 28 layers there). It speaks no real words. Built once
 into the cache folder ($ANTIPHON_CACHE or ~/.cache/antiphon, under models/).
 
-Each prompt is a shared context (a long text, a 448x448 image after a short text, or a 10 s
-clip after a short text) and a short question that differs each time. Cache on: the engine
-as it runs (prefix cache, global encoder cache and the hidden-state store); the context was
-seen once before, so the question's prefill reads the context's KV and the talker's rows from
-the caches. Cache off: prefix and encoder caches off, everything computed. The figure is the
-time to the first token (the prefill, offline, one request at a time), the median of the
-rounds.
+Each prompt is a shared context (a text, or the same text before a 448x448 image or a 10 s
+clip) and a short question that differs each time. Both engines keep the talker's rows
+(omni_speech: the hidden-state store is written every step). Cache on: prefix cache and
+global encoder cache; the context was seen once before, so the question's prefill takes the
+context's KV and its talker rows from the caches and computes only the question. Cache off:
+both caches off, everything computed. The figure is the time to the first token (the prefill,
+offline, one request at a time), the median of the rounds.
 
 The talker stage's rows (first audio with chunked vs whole-answer hand-off, first audio at 1,
 2 and 4 conversations, the real-time factor) join this table when the talker is served.
@@ -113,8 +113,8 @@ def measure(folder: Path, scale: Scale) -> list[dict]:
     from engine import LLM
 
     rows = []
-    cached_llm = LLM(str(folder), quantization="none", block_size=16)
-    cold_llm = LLM(str(folder), quantization="none", block_size=16, enable_prefix_caching=False,
+    cached_llm = LLM(str(folder), quantization="none", block_size=16, omni_speech=True)
+    cold_llm = LLM(str(folder), quantization="none", block_size=16, omni_speech=True, enable_prefix_caching=False,
                    enable_encoder_cache=False)
     for kind, (context, media) in contexts(scale).items():
         # The context seen once (a first question), then the measured questions.

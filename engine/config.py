@@ -80,8 +80,11 @@ class EngineConfig:
     # Memory of that global cache. It is sized apart from the decoder's budget above: that
     # one bounds what a step may hold, this one how many distinct images stay encoded.
     encoder_cache_gib: float = 1.0
-    # Host memory an omni model's hidden-state store may take (engine/hidden_state_store.py:
-    # one row of the thinker's width per KV slot); a KV pool that needs more is refused at start.
+    # An omni model's spoken answers (offline: LLM.generate(voice=...)): the thinker keeps the
+    # rows its talker consumes in a hidden-state store (engine/hidden_state_store.py: one row of
+    # the thinker's width per KV slot, in host memory, at most hidden_state_store_gib; a KV pool
+    # that needs more is refused at start). Off, an omni model serves text and costs nothing more.
+    omni_speech: bool = False
     hidden_state_store_gib: float = 4.0
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The

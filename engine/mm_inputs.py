@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+class PlaceholderMismatch(ValueError):
+    """The prompt's placeholders and the items given do not pair up."""
+
+
 @dataclass(frozen=True, eq=False)
 class ProcessedItem:
     mm_hash: str

@@ -67,7 +67,9 @@ class OmniSpeech:
         self.engine = engine
         self.thinker_runner = executor.runner
         if self.thinker_runner.hidden_store is None:
-            raise ValueError("this model has no talker")
+            raise ValueError("spoken answers need an omni model loaded with omni_speech=True "
+                             "(LLM(model, omni_speech=True))" if engine.adapter is not None
+                             and engine.adapter.talker_row_width() is not None else "this model has no talker")
         self.adapter = engine.adapter
         device, dtype = executor.device, executor.model_dtype
         self.spec = TalkerSpec(engine.model_path, AutoConfig.from_pretrained(engine.model_path),

@@ -20,9 +20,11 @@ from frontend.tenancy import ANONYMOUS, Requester
 SPEECH_RATE = sample_rate_of("audio/pcm")
 
 
-async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, max_seconds: float,
-                                 requester: Requester = ANONYMOUS) -> None:
-    """Replaces every input_audio part of `messages` by a text part holding its transcript."""
+async def prepare_audio_parts(client, messages: list[dict], hears: bool, voice_on: bool, max_seconds: float,
+                              requester: Requester = ANONYMOUS) -> None:
+    """Replaces every input_audio part of `messages`: for a model that hears audio itself (an
+    omni model, `hears`) by an audio part holding its samples and rate, for the model's encoder;
+    otherwise by a text part holding its transcript (voice on)."""
     for message in messages:
         content = message["content"]
         if not isinstance(content, list):
@@ -30,29 +32,19 @@ async def transcribe_audio_parts(client, messages: list[dict], voice_on: bool, m
         for index, part in enumerate(content):
             if part["type"] != "input_audio":
                 continue
-            if not voice_on:
+            if not hears and not voice_on:
                 raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality",
                                    "messages.content")
             samples, rate = await asyncio.to_thread(_read_wav_part, part["input_audio"], max_seconds)
+            if hears:
+                content[index] = {"type": "audio", "audio": (samples, rate)}
+                continue
             text, heard = await transcribe(client, await asyncio.to_thread(resample, samples, rate, RECOGNIZER_RATE),
                                            requester)
             if not heard:
                 raise InvalidInput("no speech was heard in an input_audio part", "input_audio_no_speech",
                                    "messages.content")
             content[index] = {"type": "text", "text": text}
-
-
-async def hear_audio_parts(messages: list[dict], max_seconds: float) -> None:
-    """For a model that hears audio itself (an omni model): replaces every input_audio part of
-    `messages` by an audio part holding its decoded samples and rate, for the model's encoder."""
-    for message in messages:
-        content = message["content"]
-        if not isinstance(content, list):
-            continue
-        for index, part in enumerate(content):
-            if part["type"] == "input_audio":
-                clip = await asyncio.to_thread(_read_wav_part, part["input_audio"], max_seconds)
-                content[index] = {"type": "audio", "audio": clip}
 
 
 def _read_wav_part(audio: dict, max_seconds: float) -> tuple:

@@ -169,8 +169,6 @@ def _add_engine_options(group) -> None:
                        help="turn the encoder's global cache off: every image is encoded, to measure what the "
                             "cache saves")
     engine.add("encoder_timeout_s", "a request whose image the encoder has not delivered after this long fails")
-    engine.add("hidden_state_store_gib", "host memory an omni model's hidden-state store may take (one row of the "
-                                         "thinker's width per KV slot); a KV pool that needs more is refused at start")
     # The server serves voice unless told not to; the offline LLM (EngineConfig's default) does not.
     group.add_argument("--no-voice", action="store_true",
                        help="serve text only: no speech recognition (encoder) nor synthesis (talker process); "
@@ -234,6 +232,9 @@ def _add_server_options(group) -> None:
     server.add("max_conversation_items", "items a Realtime conversation may hold: a client item past it gets "
                                          "conversation_full, an answer evicts the oldest items")
     server.add("max_conversation_bytes", "text a Realtime conversation may hold, instructions and answers included")
+    server.add("max_conversation_audio_seconds", "audio a Realtime conversation keeps for a model that hears it (an "
+                                                 "omni model); past it, or past max_audio_clips_per_request clips, "
+                                                 "its oldest user items with audio are evicted")
     server.add("max_events_per_second", "Realtime client events per connection (bursts of twice that); past it "
                                         "rate_limit_exceeded and the event is dropped")
     server.add("max_stop_strings", "stop strings one request may give; past it 400 invalid_value")

@@ -25,7 +25,7 @@ from engine.chat_template import ChatTemplate, PromptTooLong
 from engine.input_processor import expand_items, make_engine_request
 from engine.audio_clips import audio_clip, check_audio_count
 from engine.media import MediaError, MediaLimits, check_image_count, load_image
-from engine.mm_inputs import salt_items
+from engine.mm_inputs import PlaceholderMismatch, salt_items
 from engine.output_processor import RequestOutputProcessor
 from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
@@ -154,8 +154,11 @@ class GenerationService:
                                                   limiter=self._preprocessing)
         except MediaError as exc:
             raise InvalidInput(str(exc), exc.code, "messages") from None
+        except PlaceholderMismatch as exc:
+            raise InvalidInput(str(exc), "invalid_content", "messages") from None
         except ValueError as exc:
-            # Decoding errors are MediaErrors: what is left is an image the model's processor refused.
+            # Decoding and audio errors are MediaErrors: what is left is an image the model's
+            # processor refused.
             raise InvalidInput(str(exc), "invalid_image", "messages") from None
 
     def _preprocess(self, token_ids: list[int], sources: list, clips: list) -> ChatPrompt:

@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.chat_audio import SpeechFailed, SpokenAnswer, hear_audio_parts, transcribe_audio_parts
+from frontend.chat_audio import SpeechFailed, SpokenAnswer, prepare_audio_parts
 from frontend.chat_request import ChatCompletionRequest
 from frontend.choices import Choice, merged, params_per_choice
 from frontend.edge_decoding import InvalidInput
@@ -108,13 +108,9 @@ class ChatCompletions:
             if n > 1 or tools:
                 raise InvalidInput("a spoken answer is one choice without tools", "invalid_value",
                                    "n" if n > 1 else "tools")
-        if state.generation.hears_audio:
-            # An omni model hears spoken parts itself: they are encoder items.
-            await hear_audio_parts(messages, config.max_audio_buffer_seconds)
-        else:
-            # Spoken parts become their transcripts (the encoder process hears them).
-            await transcribe_audio_parts(state.client, messages, state.engine_config.voice,
-                                         config.max_audio_buffer_seconds, requester)
+        # Spoken parts become encoder items an omni model hears, or their transcripts.
+        await prepare_audio_parts(state.client, messages, state.generation.hears_audio, state.engine_config.voice,
+                                  config.max_audio_buffer_seconds, requester)
         return ChatPlan(body, params, messages, n, tools, spoken_format)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict] | None:

@@ -85,7 +85,8 @@ class RealtimeSession:
         self.requester = requester
         self.session = new_session(new_id("sess"), state.model_name)
         # The kept conversation, and the user's spoken turns that join it.
-        self.history = Conversation(self.config.max_conversation_items, self.config.max_conversation_bytes)
+        self.history = Conversation(self.config.max_conversation_items, self.config.max_conversation_bytes,
+                                    self.config.max_conversation_audio_seconds, self.config.max_audio_clips_per_request)
         self.voice = VoiceTurns(self)
         self.responses: dict[str, asyncio.Task] = {}
         # Responses sending their closing events: a cancel no longer reaches them.
@@ -256,7 +257,10 @@ class RealtimeSession:
         if any(part["type"] == "input_audio" for part in item.get("content", ())):
             heard_ms, clips = await off_the_socket(self.voice.transcribe_parts(item))
             self.history.check_new_item(item, previous)
+        evicted = self.history.make_room_for_clips(clips, "item.content") if clips else []
         before = self.history.insert(item, previous, heard_ms, clips)
+        for item_id in evicted:
+            await self.send({"type": "conversation.item.deleted", "item_id": item_id})
         await self.send({"type": "conversation.item.added", "previous_item_id": before, "item": item})
 
     async def on_item_delete(self, event: ItemDelete) -> None:

@@ -3,7 +3,8 @@
 One `Conversation` owns the items by id and every number kept about them: the bytes of their
 text (the session's instructions included), at least how many tokens each takes, how much
 audio each user item was and the clauses of each spoken answer. For a model that hears audio
-itself (an omni model) it also holds each user item's clips, counted in its bytes. Items join, leave, are
+itself (an omni model) it also holds each user item's clips, within their own budget (seconds
+and clips; keeping more evicts the oldest user items with audio). Items join, leave, are
 truncated and evicted through its methods, so those numbers follow the items; the session
 adds the instructions' bytes and a response records its spoken clauses and announced ids
 directly.
@@ -35,9 +36,11 @@ def new_id(prefix: str) -> str:
 
 
 class Conversation:
-    def __init__(self, max_items: int, max_bytes: int) -> None:
+    def __init__(self, max_items: int, max_bytes: int, max_audio_seconds: float = 120.0, max_clips: int = 8) -> None:
         self.max_items = max_items
         self.max_bytes = max_bytes
+        self.max_audio_seconds = max_audio_seconds
+        self.max_clips = max_clips
         # The conversation, in order, by item id, and the bytes of its text and instructions.
         self.items: dict[str, dict] = {}
         self.bytes = 0
@@ -52,8 +55,9 @@ class Conversation:
         # item.truncate); how much audio each user item was, in ms (usage counts it).
         self.spoken: dict[str, list[tuple[str, float]]] = {}
         self.heard_ms: dict[str, float] = {}
-        # For a model that hears audio: each user item's clips (float32 at RECOGNIZER_RATE), in
-        # the order of its input_audio parts; the model hears them, not their transcripts.
+        # For a model that hears audio: each user item's clips (float32 at RECOGNIZER_RATE, as
+        # heard: the same samples an HTTP request would give), in the order of its input_audio
+        # parts, oldest item first; the model hears them, not their transcripts.
         self.clips: dict[str, list[np.ndarray]] = {}
 
     def holds(self, item: dict) -> bool:
@@ -103,13 +107,14 @@ class Conversation:
         check_call_id(item, earlier, ordered)
 
     def insert(self, item: dict, previous: str | None, heard_ms: float, clips: list[np.ndarray] = ()) -> str | None:
-        """A client item (checked by check_new_item) joins after `previous`, if its text (and
-        the clips a hearing model keeps) fits; the id of the item now before it."""
-        size = item_bytes(item) + clip_bytes(clips)
+        """A client item (checked by check_new_item) joins after `previous`, if its text fits
+        (its clips, for a hearing model, after make_room_for_clips); the id of the item now
+        before it."""
+        size = item_bytes(item)
         if self.bytes + size > self.max_bytes:
             raise InvalidInput(f"the conversation would hold more than {self.max_bytes} bytes "
-                               "of text and audio (instructions included); delete some items with "
-                               "conversation.item.delete", "conversation_full", "item")
+                               "of text (instructions included); delete some items with conversation.item.delete",
+                               "conversation_full", "item")
         self.items = insert_after(self.items, item, previous)
         if heard_ms:
             self.heard_ms[item["id"]] = heard_ms
@@ -117,6 +122,27 @@ class Conversation:
             self.clips[item["id"]] = list(clips)
         self.bytes += size
         return previous_id(self.items, item["id"])
+
+    def make_room_for_clips(self, clips: list[np.ndarray], param: str | None) -> list[str]:
+        """Evicts the oldest user items with audio until `clips` (float32 at RECOGNIZER_RATE)
+        fit the conversation's audio budget; the evicted ids. Refuses clips that alone do not."""
+        seconds = sum(len(clip) for clip in clips) / RECOGNIZER_RATE
+        if seconds > self.max_audio_seconds:
+            raise InvalidInput(f"{seconds:.1f} s of audio is more than a conversation keeps "
+                               f"({self.max_audio_seconds:g} s)", "audio_too_long", param)
+        if len(clips) > self.max_clips:
+            raise InvalidInput(f"{len(clips)} audio clips are more than a conversation keeps ({self.max_clips})",
+                               "too_many_audio_clips", param)
+        evicted = []
+        while self.clips and (self.audio_seconds() + seconds > self.max_audio_seconds
+                              or sum(map(len, self.clips.values())) + len(clips) > self.max_clips):
+            oldest = next(iter(self.clips))
+            self.forget(oldest)
+            evicted.append(oldest)
+        return evicted
+
+    def audio_seconds(self) -> float:
+        return sum(len(clip) for clips in self.clips.values() for clip in clips) / RECOGNIZER_RATE
 
     def append_turn(self, item: dict) -> str | None:
         """A committed turn joins last, before it is heard (its transcript counts once it is);
@@ -134,17 +160,17 @@ class Conversation:
             self.item_tokens.pop(item["id"], None)
 
     def heard(self, item: dict, clip: np.ndarray) -> None:
-        """A turn's audio, kept for a model that hears it; it counts if the turn is still in
-        the conversation (a turn past the byte budget evicts nothing: it is the user's)."""
+        """A turn's audio (after make_room_for_clips), kept for a model that hears it, if the
+        turn is still in the conversation."""
         if self.holds(item):
             self.clips[item["id"]] = [clip]
-            self.bytes += clip_bytes([clip])
             self.heard_ms[item["id"]] = 1000 * len(clip) / RECOGNIZER_RATE
 
     def forget(self, item_id: str) -> dict:
         """Takes an item out of the conversation, with what the session knows of it."""
         item = self.items.pop(item_id)
-        self.bytes -= item_bytes(item) + clip_bytes(self.clips.pop(item_id, ()))
+        self.bytes -= item_bytes(item)
+        self.clips.pop(item_id, None)
         self.spoken.pop(item_id, None)
         self.heard_ms.pop(item_id, None)
         self.item_tokens.pop(item_id, None)
@@ -179,7 +205,8 @@ class Conversation:
         """Text for the chat template, or the parts when the item holds images or heard clips.
         Audio is its clip where the model hears it, else its transcript (the language model
         hears what the recognizer heard)."""
-        clips = iter(self.clips.get(item["id"], ()))
+        # Only the conversation's own item: an out-of-band item may reuse its id.
+        clips = iter(self.clips.get(item["id"], ()) if self.holds(item) else ())
         parts = []
         for part in item["content"]:
             clip = next(clips, None) if part["type"] == "input_audio" else None
@@ -320,10 +347,6 @@ def part_text(part: dict) -> str:
 
 def text_bytes(text: str) -> int:
     return len(text.encode("utf-8", errors="surrogatepass"))
-
-
-def clip_bytes(clips) -> int:
-    return sum(clip.nbytes for clip in clips)
 
 
 def item_bytes(item: dict) -> int:

@@ -71,6 +71,15 @@ class VoiceTurns:
         """Whether the model hears turns itself (an omni model): then they are not transcribed."""
         return self.session.state.generation.hears_audio
 
+    def _check_audio_window(self, seconds: float, param: str | None) -> None:
+        """A clip the model hears must fit its window (Qwen2.5-Omni's 30 s): refused when it is
+        kept, not at every later response."""
+        adapter = self.session.state.generation.adapter
+        window = adapter.max_audio_samples / adapter.sample_rate
+        if seconds > window:
+            raise InvalidInput(f"{seconds:.1f} s of audio is longer than the model hears at once ({window:g} s)",
+                               "audio_too_long", param)
+
     def _require_audio_in(self, param: str) -> None:
         """Audio in needs the recognizer, unless the model hears it itself."""
         if not self.hears_audio:
@@ -237,8 +246,19 @@ class VoiceTurns:
         await session.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item_id})
         await session.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
         if self.hears_audio:
-            # The model hears the turn itself: its clip joins the conversation, untranscribed.
+            # The model hears the turn itself: its clip joins the conversation, untranscribed,
+            # making room by evicting the oldest audio.
+            try:
+                self._check_audio_window(len(audio) / RECOGNIZER_RATE, None)
+                evicted = history.make_room_for_clips([audio], None)
+            except InvalidInput:
+                if history.holds(item):
+                    history.forget(item_id)
+                    await session.send({"type": "conversation.item.deleted", "item_id": item_id})
+                raise
             history.heard(item, audio)
+            for evicted_id in evicted:
+                await session.send({"type": "conversation.item.deleted", "item_id": evicted_id})
             if create_response and history.holds(item):
                 await session.on_response_create(ResponseCreate(event_id=client_event_id), barge_ins)
             return
@@ -298,6 +318,7 @@ class VoiceTurns:
                                    "audio_too_long", "item.content")
             heard_ms += 1000 * len(samples) / audio_format["rate"]
             if self.hears_audio:
+                self._check_audio_window(len(samples) / audio_format["rate"], "item.content")
                 part["transcript"] = None
                 clips.append(resample(samples, audio_format["rate"], RECOGNIZER_RATE))
                 continue

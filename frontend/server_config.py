@@ -47,6 +47,10 @@ class ServerConfig:
     # Text bytes a conversation may hold, the session's instructions and the answers included
     # (an answer evicts the oldest items to fit; one answer alone may take it past).
     max_conversation_bytes: int = 1 << 20
+    # Audio a conversation keeps for a model that hears it (an omni model; float32 at 16 kHz,
+    # 7.7 MB for 120 s); keeping more evicts its oldest user items with audio (as do more clips
+    # than max_audio_clips_per_request, the most one response may hear).
+    max_conversation_audio_seconds: float = 120.0
     max_events_per_second: float = 200.0
     max_stop_strings: int = 8
     # OpenAI API completeness: top_logprobs per token, choices per request (n), a grammar's or
@@ -127,7 +131,7 @@ class ServerConfig:
         for name in ("worker_restart_window_s", "worker_timeout_s", "max_audio_bytes", "max_audio_seconds",
                      "max_speech_input_chars", "max_audio_buffer_seconds",
                      "max_transcriptions", "max_spoken_answers", "max_audio_speedup", "spoken_answers_per_key",
-                     "spoken_answer_ttl_s"):
+                     "spoken_answer_ttl_s", "max_conversation_audio_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("max_message_bytes", "max_prompt_tokens", "default_max_tokens", "max_concurrent_per_connection",

@@ -67,7 +67,8 @@ CASES = [
 
 @pytest.mark.parametrize("block_size,budget", [(16, 2048), (4, 8)])
 def test_stored_rows_equal_what_transformers_hands_the_talker(tiny_omni, block_size, budget):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=block_size, max_num_batched_tokens=budget)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=block_size,
+              max_num_batched_tokens=budget)
     for (text, images, clips), (tokens, rows) in zip(CASES, run_and_read_rows(
             llm, [as_prompt(*case) for case in CASES])):
         expected_tokens, expected_rows = reference_rows(tiny_omni, text, images, clips)
@@ -76,7 +77,7 @@ def test_stored_rows_equal_what_transformers_hands_the_talker(tiny_omni, block_s
 
 
 def test_a_second_pass_reads_the_prefix_hit_rows_from_the_store(tiny_omni):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4)
     prompt = as_prompt(*CASES[1])
     (_, first), = run_and_read_rows(llm, [prompt])
     before = llm.engine.stats().prefix_cache_hit_tokens
@@ -89,7 +90,7 @@ def test_a_second_pass_reads_the_prefix_hit_rows_from_the_store(tiny_omni):
 
 
 def test_a_prefix_hit_that_ends_mid_item_recomputes_the_rest(tiny_omni):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4)
     audio = clip(5, 1.5)
     run_and_read_rows(llm, [as_prompt(f"Hear {AUDIO_PLACEHOLDER} first", [], [audio])])
     # The same clip, then other text: the hit stops at the last whole block, inside the clip.
@@ -107,7 +108,7 @@ def test_a_prefix_hit_that_ends_mid_item_recomputes_the_rest(tiny_omni):
 def test_two_identical_requests_in_one_step(tiny_omni):
     # The second hits blocks the first publishes in the same step, before the forward that
     # writes their rows: read after the step, both see the rows.
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4)
     prompt = as_prompt(*CASES[1])
     (tokens_a, rows_a), (tokens_b, rows_b) = run_and_read_rows(llm, [prompt, prompt])
     expected_tokens, expected_rows = reference_rows(tiny_omni, *CASES[1])
@@ -118,7 +119,7 @@ def test_two_identical_requests_in_one_step(tiny_omni):
 
 
 def test_evicted_and_reused_blocks_never_serve_stale_rows(tiny_omni):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4, num_kv_blocks=24)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4, num_kv_blocks=24)
     first = as_prompt(*CASES[1])
     run_and_read_rows(llm, [first])
     # Other prompts take every block: the first prompt's blocks are evicted and rewritten.
@@ -131,8 +132,10 @@ def test_evicted_and_reused_blocks_never_serve_stale_rows(tiny_omni):
 
 
 def test_the_store_is_sized_from_the_model_and_bounded(tiny_omni):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4, num_kv_blocks=24)
+    assert LLM(str(tiny_omni), quantization="none").engine.core.executor.runner.hidden_store is None  # text only
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4, num_kv_blocks=24)
     store = llm.engine.core.executor.runner.hidden_store
     assert store.rows.shape == (24 * 4, 64)  # every KV slot, the thinker's width
     with pytest.raises(ValueError, match="hidden-state store needs"):
-        LLM(str(tiny_omni), quantization="none", num_kv_blocks=4096, hidden_state_store_gib=0.0001)
+        LLM(str(tiny_omni), quantization="none", omni_speech=True, num_kv_blocks=4096,
+            hidden_state_store_gib=0.0001)

@@ -47,7 +47,7 @@ def speak(llm: LLM, cases) -> list:
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_text_codes_and_waveform_equal_transformers(tiny_omni, expected, block_size):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=block_size)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=block_size)
     for case, (tokens, codes, waveform) in zip(CASES, expected):
         out, = speak(llm, [case])
         assert out.token_ids == tokens
@@ -57,12 +57,12 @@ def test_text_codes_and_waveform_equal_transformers(tiny_omni, expected, block_s
 
 
 def test_answers_spoken_together_equal_each_alone(tiny_omni, expected):
-    llm = LLM(str(tiny_omni), quantization="none", block_size=4)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True, block_size=4)
     outs = speak(llm, CASES)
     assert [(o.token_ids, o.codec_token_ids) for o in outs] == [(t, c) for t, c, _ in expected]
 
 
 def test_an_unknown_voice_is_a_clear_error(tiny_omni):
-    llm = LLM(str(tiny_omni), quantization="none")
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
     with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
         llm.generate("hi", SamplingParams(max_tokens=2), voice="Nobody")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import PIL.Image
@@ -141,3 +142,22 @@ async def test_a_committed_turn_is_heard_without_a_recognizer(server):
         text = "".join([delta async for delta in response])
     assert response.status == "incomplete" and text  # stopped at max_output_tokens
     assert server.metric("antiphon_encoder_items_requested_total") == encoded + 1
+
+
+async def test_a_realtime_clip_longer_than_the_model_hears_is_refused_when_kept(server):
+    import websockets
+
+    from engine.audio_formats import to_pcm16
+
+    audio = base64.b64encode(to_pcm16(np.zeros(24000 * 31, np.float32)).tobytes()).decode()
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        async def next_of(kind):
+            while True:
+                event = json.loads(await ws.recv())
+                if event["type"] == kind:
+                    return event
+        await next_of("session.created")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}}))
+        error = await next_of("error")
+        assert error["error"]["code"] == "audio_too_long", error

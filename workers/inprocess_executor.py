@@ -108,7 +108,7 @@ class InProcessExecutor:
     def _runner(self, num_blocks: int, block_size: int, grammars, decode_graphs: str = "off",
                 max_model_len: int | None = None) -> ModelRunner:
         spec = self.kv_cache_spec
-        width = self.adapter.talker_row_width() if self.adapter is not None else None
+        width = self.adapter.talker_row_width() if self.adapter is not None and self.config.omni_speech else None
         # An omni thinker's rows for its talker, in the KV pool's layout (seed 002).
         hidden_store = None if width is None else HiddenStateStore(
             num_blocks, block_size, width, self.model_dtype, max_bytes=int(self.config.hidden_state_store_gib * 2**30))

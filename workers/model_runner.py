@@ -149,8 +149,8 @@ class ModelRunner:
                 state.mrope_positions, state.mrope_delta = self.adapter.prompt_positions(
                     new.num_prompt_tokens, state.mm_placeholders)
             if self.hidden_store is not None:
-                # Blocks the prefix cache gave it keep their rows (a hit that covers the whole
-                # prompt recomputes its last token inside the last hit block); the rest are fresh.
+                # The blocks the prefix cache gave it (whole blocks: num_computed_tokens counts
+                # them, and a resumed request starts from 0) keep their rows; the rest are fresh.
                 hits = -(-new.num_computed_tokens // self.block_size)
                 self.hidden_store.allocated(state.block_ids[hits:])
         for mm_hash, embeddings in sched.new_embeddings.items():

@@ -23,7 +23,7 @@ import PIL.Image
 import torch
 from transformers import AutoImageProcessor
 
-from engine.mm_inputs import ProcessedItem
+from engine.mm_inputs import PlaceholderMismatch, ProcessedItem
 from engine.request import MultiModalPlaceholder
 
 
@@ -97,13 +97,13 @@ class ModelAdapter:
         queues = {modality: [item for item in items if item.modality == modality] for modality in tokens}
         unknown = sorted({item.modality for item in items} - set(tokens))
         if unknown:
-            raise ValueError(f"this model takes no {', '.join(unknown)}")
+            raise PlaceholderMismatch(f"this model takes no {', '.join(unknown)}")
         positions = [i for i, token in enumerate(token_ids) if token in modality_of]
         for modality, (token, text) in tokens.items():
             written = sum(1 for i in positions if token_ids[i] == token)
             if written != len(queues[modality]):
-                raise ValueError(f"the prompt holds {written} {modality} placeholder(s) ({text!r}) but "
-                                 f"{len(queues[modality])} {modality} item(s) were given")
+                raise PlaceholderMismatch(f"the prompt holds {written} {modality} placeholder(s) ({text!r}) but "
+                                          f"{len(queues[modality])} {modality} item(s) were given")
         expanded: list[int] = []
         placeholders: list[MultiModalPlaceholder] = []
         next_item = {modality: iter(queue) for modality, queue in queues.items()}

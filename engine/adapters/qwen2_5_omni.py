@@ -122,20 +122,26 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
         samples = np.asarray(samples, dtype=np.float32)
         if samples.ndim != 1 or samples.size == 0:
             raise MediaError("invalid_audio", f"an audio clip must be non-empty mono samples, got shape {samples.shape}")
+        # Its length checked before any work on it (a resample of a huge clip would be costly).
+        seconds = samples.size / sample_rate
+        if seconds > self.max_audio_samples / self.sample_rate:
+            raise MediaError("audio_too_long", f"an audio clip of {seconds:.1f} s is longer than this model's "
+                             f"{self.max_audio_samples / self.sample_rate:.0f} s window")
         mm_hash = self.audio_hash(samples, sample_rate)
         if sample_rate != self.sample_rate:
             samples = resample(samples, sample_rate, self.sample_rate)
-        if samples.size > self.max_audio_samples:
-            raise MediaError("audio_too_long", f"an audio clip of {samples.size / self.sample_rate:.1f} s is longer "
-                             f"than this model's {self.max_audio_samples / self.sample_rate:.0f} s window")
+        # Resampling may round up by a sample.
+        samples = samples[:self.max_audio_samples]
         # As Qwen2_5OmniProcessor calls it: padded to the whole window, then the tower reads
         # only the clip's own frames (the attention mask's).
         features = self.feature_extractor(samples, sampling_rate=self.sample_rate, padding="max_length",
                                           return_attention_mask=True, return_tensors="np")
         frames = int(features["attention_mask"][0].sum())
+        if audio_embedding_count(frames) < 1:
+            raise MediaError("invalid_audio", f"an audio clip of {seconds * 1000:.0f} ms is too short for the model "
+                             "to hear (it takes 40 ms an embedding)")
         tower_input = np.ascontiguousarray(features["input_features"][0][:, :frames], dtype=np.float32)
-        return ProcessedItem(mm_hash=mm_hash,
-                             num_embeddings=audio_embedding_count(frames), tower_input=tower_input,
+        return ProcessedItem(mm_hash=mm_hash, num_embeddings=audio_embedding_count(frames), tower_input=tower_input,
                              modality="audio")
 
     def warm_up_items(self) -> list[ProcessedItem]:
