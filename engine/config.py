@@ -131,6 +131,11 @@ class EngineConfig:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
         if not self.hidden_state_store_gib > 0:
             raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
+        if self.omni_speech:
+            if self.async_scheduling:
+                raise ValueError("omni_speech reads the thinker's rows between steps: async_scheduling must be off")
+            # Its automatic choice (on with CUDA) would overlap the steps.
+            self.async_scheduling = False
         if not self.grammar_timeout_s > 0:
             raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if not self.encoder_timeout_s > 0:

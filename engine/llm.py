@@ -87,24 +87,50 @@ class LLM:
         if self._speech is None:
             self._speech = OmniSpeech(self.engine)
         speech = self._speech
-        requests = self._add_all(prompts, sampling_params, keep_requests=True)
+        talker_params = speech.talker_params(talker_params or DEFAULT_TALKER_PARAMS)
+        # Everything checked before anything is queued: a bad voice leaves no half-added batch.
+        try:
+            requests = [self.engine.make_request(p, sp) for p, sp in zip(*self._pair(prompts, sampling_params))]
+            for request in requests:
+                self.engine.check_request(request)
+                speech.check(voice, len(request.prompt_token_ids), talker_params)
+        except Exception:
+            self.engine.discard_unadded_items()
+            raise
         for request in requests:
-            speech.add(request.request_id, request.prompt_token_ids, request.mm_placeholders, voice,
-                       talker_params or DEFAULT_TALKER_PARAMS)
+            self.engine.add_engine_request(request)
+            speech.add(request.request_id, request.prompt_token_ids, request.mm_placeholders, voice, talker_params)
         texts: dict[str, RequestOutput] = {}
         spoken: dict[str, object] = {}
-        while len(spoken) < len(requests):
-            if not self.engine.has_unfinished_requests and not speech.busy:
-                raise RuntimeError("engine went idle with spoken answers unfinished")
-            outputs = self.engine.step()
-            speech.after_thinker_step(outputs)
-            texts.update((out.request_id, out) for out in outputs if out.finished)
-            spoken.update((answer.request_id, answer) for answer in speech.talker_step())
+        wanted = {request.request_id for request in requests}
+        try:
+            # Until every answer's text and speech are done (either may end first).
+            while len(texts) < len(requests) or len(spoken) < len(requests):
+                if not self.engine.has_unfinished_requests and not speech.talker.has_unfinished_requests:
+                    missing = sorted(wanted - set(spoken))
+                    raise RuntimeError(f"engines went idle with spoken answers unfinished: {missing}")
+                outputs = self.engine.step()
+                speech.after_thinker_step(outputs)
+                texts.update((out.request_id, out) for out in outputs if out.finished)
+                for out in outputs:
+                    if out.finished and out.request_id not in speech.answers and out.request_id not in spoken:
+                        spoken[out.request_id] = None  # not spoken: its text failed or was aborted
+                spoken.update((answer.request_id, answer) for answer in speech.talker_step())
+        finally:
+            unfinished = [request_id for request_id in wanted if request_id not in texts]
+            if unfinished:
+                self.engine.abort_request(unfinished)
+            for request_id in wanted:
+                speech.drop(request_id)
         results = []
         for request in requests:
             out, answer = texts[request.request_id], spoken[request.request_id]
-            out.codec_token_ids, out.audio = answer.codes, answer.waveform.numpy()
-            out.sample_rate = speech.spec.sample_rate
+            if answer is not None:
+                if answer.error is not None and out.error is None:
+                    out.error = f"speech failed: {answer.error}"
+                out.codec_token_ids = answer.codes
+                out.audio = answer.waveform.cpu().numpy() if answer.waveform is not None else None
+                out.sample_rate = speech.spec.sample_rate
             results.append(out)
         return results
 
@@ -126,17 +152,21 @@ class LLM:
         messages are text (engine/chat_template.py)."""
         return self.template.token_ids(messages, chat_template=chat_template)
 
-    def _add_all(self, prompts, sampling_params, keep_requests: bool = False) -> list:
-        """The requests' ids (or, with keep_requests, the requests themselves), added."""
+    @staticmethod
+    def _pair(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        """The prompts as a list, each with its sampling parameters."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+            return prompts, [sampling_params or SamplingParams()] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return prompts, params
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        prompts, params = self._pair(prompts, sampling_params)
         # Validate everything before queuing anything: a bad prompt leaves no half-added batch.
         try:
             requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
@@ -145,8 +175,7 @@ class LLM:
         except Exception:
             self.engine.discard_unadded_items()
             raise
-        ids = [self.engine.add_engine_request(r) for r in requests]
-        return requests if keep_requests else ids
+        return [self.engine.add_engine_request(r) for r in requests]
 
 
 def default_executor_factory() -> Callable[[EngineConfig], Executor]:

@@ -52,6 +52,7 @@ class _Answer:
     thinker_done: bool = False
     codes: list[int] = field(default_factory=list)
     waveform: torch.Tensor | None = None
+    error: str | None = None
 
 
 class OmniSpeech:
@@ -75,18 +76,28 @@ class OmniSpeech:
         self.spec = TalkerSpec(engine.model_path, AutoConfig.from_pretrained(engine.model_path),
                                executor.model.get_input_embeddings())
         self.streams: dict[str, object] = {}
+        # As many blocks as the thinker's pool (the talker's are smaller: fewer, narrower layers).
+        # No prefix caching: its prompt tokens are all the codec's mask code, whatever was said.
         config = talker_config or dataclasses.replace(
-            engine.config, enable_prefix_caching=False, async_scheduling=False, encoder_cache_size=0)
+            engine.config, enable_prefix_caching=False, async_scheduling=False, encoder_cache_size=0,
+            num_kv_blocks=engine.core.sizes.num_kv_blocks, max_model_len=None)
         self.talker = EngineCore(config, _resolve(TALKER_EXECUTOR)(config, self.spec, self.streams, device, dtype))
         self.codec = self.spec.load_codec(device)
+        # The store's dtype (the thinker's): the rows the talker reads, kept as they come.
+        self.rows_dtype = self.thinker_runner.hidden_store.rows.dtype
         self._rows_class = _resolve(TALKER_ROWS)
         self.answers: dict[str, _Answer] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], placeholders, speaker: str,
-            talker_params: SamplingParams) -> None:
-        """Speak the answer of the thinker request `request_id` (already added)."""
+    def check(self, speaker: str, num_prompt_tokens: int, talker_params: SamplingParams) -> None:
+        """Raises ValueError if `add` would be refused, or the talker could never take the answer."""
         if speaker not in self.spec.speakers:
             raise ValueError(f"unknown voice {speaker!r}; this model has {sorted(self.spec.speakers)}")
+        probe = Request("probe", self.spec.prompt_token_ids(num_prompt_tokens), talker_params)
+        self.talker.check_request(probe)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], placeholders, speaker: str,
+            talker_params: SamplingParams) -> None:
+        """Speak the answer of the thinker request `request_id` (added to the thinker, checked)."""
         size = len(prompt_token_ids)
         positions, delta = None, 0
         if placeholders:
@@ -94,29 +105,47 @@ class OmniSpeech:
             positions, delta = self.adapter.prompt_positions(size + 2, placeholders)
         rows = self._rows_class(num_prompt_rows=size, pad=self.spec.text_pad, mrope_positions=positions,
                                 mrope_delta=delta)
-        # It stops at the codec's pad or end code, and never says its codec-bos code.
-        params = msgspec.structs.replace(talker_params, stop_token_ids=list(self.spec.stop_token_ids),
-                                         logit_bias={**talker_params.logit_bias, self.spec.codec_bos: -100.0})
+        params = self.talker_params(talker_params)
         self.answers[request_id] = _Answer(request_id, size, speaker, rows, params)
 
+    def talker_params(self, params: SamplingParams) -> SamplingParams:
+        """It stops at the codec's pad or end code, and never says its codec-bos code (a bias
+        of -100: transformers' suppress_tokens sets -inf, which OpenAI's bias range excludes)."""
+        return msgspec.structs.replace(params, stop_token_ids=list(self.spec.stop_token_ids),
+                                       logit_bias={**params.logit_bias, self.spec.codec_bos: -100.0})
+
     def after_thinker_step(self, outputs) -> None:
-        """Hand the rows of the positions the thinker just forwarded to the talker."""
+        """Hand the rows of the positions the thinker just forwarded to the talker. An answer
+        whose text failed or was aborted is not spoken: it is dropped, talker request and all."""
         for out in outputs:
             answer = self.answers.get(out.request_id)
             if answer is None or answer.thinker_done:
+                continue
+            if out.finish_reason in ("error", "abort"):
+                answer.error = out.error or "the answer's text was aborted"
+                self.drop(out.request_id)
                 continue
             # Every token but the last sampled one has been forwarded.
             forwarded = len(out.prompt_token_ids) + len(out.token_ids) - 1
             if forwarded > answer.sent:
                 rows = self.thinker_runner.talker_rows(out.request_id, answer.sent, forwarded)
                 if rows is None:
-                    continue  # a hit whose rows are not written yet: the next step has them
+                    # A hit whose rows are not written yet; the next step has them (a finished
+                    # request's own forward wrote all of its rows, so this is never its last).
+                    continue
                 self._append(answer, answer.sent, rows)
                 answer.sent = forwarded
             if out.finished:
                 answer.thinker_done = True
-                answer.rows.finish(self.spec.text_eos)
+                answer.rows.finish(self.spec.text_eos.to(self.rows_dtype))
             self._start_or_feed(answer)
+
+    def drop(self, request_id: str) -> None:
+        """Forget an answer (failed, aborted, or its caller gave up), its talker request too."""
+        answer = self.answers.pop(request_id, None)
+        if answer is not None and answer.talker_started:
+            self.talker.abort_requests([request_id])
+        self.streams.pop(request_id, None)
 
     def _append(self, answer: _Answer, start: int, rows: torch.Tensor) -> None:
         prompt = answer.num_prompt_tokens
@@ -124,7 +153,7 @@ class OmniSpeech:
             # The speaker's text-bos row sits between the prompt's rows and the reply's.
             cut = prompt - start
             answer.rows.append(rows[:cut])
-            answer.rows.append(self.spec.text_bos[answer.speaker].unsqueeze(0))
+            answer.rows.append(self.spec.text_bos[answer.speaker].to(rows.dtype).unsqueeze(0))
             rows = rows[cut:]
         if rows.shape[0]:
             answer.rows.append(rows)
@@ -137,7 +166,7 @@ class OmniSpeech:
                 return
             self.streams[answer.request_id] = answer.rows
             request = Request(answer.request_id, self.spec.prompt_token_ids(answer.num_prompt_tokens),
-                              answer.params, eos_token_ids=self.spec.stop_token_ids, input_limit=known)
+                              answer.params, input_limit=known)
             self.talker.add_request(request)
             answer.talker_started = True
         else:
@@ -153,7 +182,12 @@ class OmniSpeech:
                 codes = answer.codes
                 while codes and codes[-1] in self.spec.stop_token_ids:
                     codes.pop()
-                answer.waveform = self.codec.waveform(codes, self.spec.speakers[answer.speaker])
+                if out.error is not None:
+                    answer.error = out.error
+                elif codes:
+                    answer.waveform = self.codec.waveform(codes, self.spec.speakers[answer.speaker])
+                else:  # it ended before its first code: nothing to say
+                    answer.waveform = torch.zeros(0)
                 self.streams.pop(answer.request_id, None)
                 done.append(self.answers.pop(answer.request_id))
         return done

@@ -312,7 +312,8 @@ class Scheduler:
         # Waiting on the encoder, a grammar or inputs another stage makes is not a stall: their
         # timeouts (or that stage's end) bound the wait.
         if (out.num_scheduled_tokens or not self.waiting or self.embeddings.num_in_flight
-                or self.waiting_on_grammar or any(r.input_limit is not None for r in self.running)):
+                or self.waiting_on_grammar or any(self._waits_on_inputs(r) for r in self.waiting)
+                or any(self._waits_on_inputs(r) for r in self.running)):
             self.stalled_steps = 0
             return
         self.stalled_steps += 1
@@ -321,6 +322,10 @@ class Scheduler:
             self.stalled_steps = 0
             self._fail(request, f"request made no progress for {self.config.max_stalled_steps} "
                                 f"steps (KV blocks free: {self.kv.pool.num_free_blocks})")
+
+    @staticmethod
+    def _waits_on_inputs(request: Request) -> bool:
+        return request.input_limit is not None and request.num_computed_tokens >= request.input_limit
 
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar compiled. A failed or overdue compile fails the

@@ -257,7 +257,11 @@ class RealtimeSession:
         if any(part["type"] == "input_audio" for part in item.get("content", ())):
             heard_ms, clips = await off_the_socket(self.voice.transcribe_parts(item))
             self.history.check_new_item(item, previous)
-        evicted = self.history.make_room_for_clips(clips, "item.content") if clips else []
+        evicted = []
+        if clips:
+            # Checked before anything is evicted for it; the item it goes after is never evicted.
+            self.history.check_text_fits(item)
+            evicted = self.history.make_room_for_clips(clips, "item.content", keep=previous)
         before = self.history.insert(item, previous, heard_ms, clips)
         for item_id in evicted:
             await self.send({"type": "conversation.item.deleted", "item_id": item_id})

@@ -110,11 +110,7 @@ class Conversation:
         """A client item (checked by check_new_item) joins after `previous`, if its text fits
         (its clips, for a hearing model, after make_room_for_clips); the id of the item now
         before it."""
-        size = item_bytes(item)
-        if self.bytes + size > self.max_bytes:
-            raise InvalidInput(f"the conversation would hold more than {self.max_bytes} bytes "
-                               "of text (instructions included); delete some items with conversation.item.delete",
-                               "conversation_full", "item")
+        size = self.check_text_fits(item)
         self.items = insert_after(self.items, item, previous)
         if heard_ms:
             self.heard_ms[item["id"]] = heard_ms
@@ -123,9 +119,19 @@ class Conversation:
         self.bytes += size
         return previous_id(self.items, item["id"])
 
-    def make_room_for_clips(self, clips: list[np.ndarray], param: str | None) -> list[str]:
-        """Evicts the oldest user items with audio until `clips` (float32 at RECOGNIZER_RATE)
-        fit the conversation's audio budget; the evicted ids. Refuses clips that alone do not."""
+    def check_text_fits(self, item: dict) -> int:
+        """The item's text bytes, if they fit the conversation's budget."""
+        size = item_bytes(item)
+        if self.bytes + size > self.max_bytes:
+            raise InvalidInput(f"the conversation would hold more than {self.max_bytes} bytes "
+                               "of text (instructions included); delete some items with conversation.item.delete",
+                               "conversation_full", "item")
+        return size
+
+    def make_room_for_clips(self, clips: list[np.ndarray], param: str | None, keep: str | None = None) -> list[str]:
+        """Evicts the oldest user items with audio (never `keep`: the item a new one goes
+        after) until `clips` (float32 at RECOGNIZER_RATE) fit the conversation's audio budget;
+        the evicted ids. Refuses clips that alone do not fit."""
         seconds = sum(len(clip) for clip in clips) / RECOGNIZER_RATE
         if seconds > self.max_audio_seconds:
             raise InvalidInput(f"{seconds:.1f} s of audio is more than a conversation keeps "
@@ -134,9 +140,10 @@ class Conversation:
             raise InvalidInput(f"{len(clips)} audio clips are more than a conversation keeps ({self.max_clips})",
                                "too_many_audio_clips", param)
         evicted = []
-        while self.clips and (self.audio_seconds() + seconds > self.max_audio_seconds
+        candidates = [item_id for item_id in self.clips if item_id != keep]
+        while candidates and (self.audio_seconds() + seconds > self.max_audio_seconds
                               or sum(map(len, self.clips.values())) + len(clips) > self.max_clips):
-            oldest = next(iter(self.clips))
+            oldest = candidates.pop(0)
             self.forget(oldest)
             evicted.append(oldest)
         return evicted

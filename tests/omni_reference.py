@@ -75,9 +75,10 @@ def _keep_attention_mask(module, args, kwargs):
 
 
 def hf_omni_spoken_greedy(path: Path, prompt_text: str, images: list, clips: list, max_new_tokens: int,
-                          max_codes: int, speaker: str, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """The thinker's greedy tokens, the talker's greedy codes (no repetition penalty) and the
-    codec's waveform, its noise drawn after torch.manual_seed(seed)."""
+                          max_codes: int, speaker: str, seed: int, repetition_penalty: float = 1.0
+                          ) -> tuple[list[int], list[int], torch.Tensor]:
+    """The thinker's greedy tokens, the talker's greedy codes (with `repetition_penalty`) and
+    the codec's waveform, its noise drawn after torch.manual_seed(seed)."""
     model = load_reference_omni(Path(path))
     if not getattr(model, "_antiphon_mask_hook", False):
         model.talker.register_forward_pre_hook(_keep_attention_mask, with_kwargs=True)
@@ -102,7 +103,7 @@ def hf_omni_spoken_greedy(path: Path, prompt_text: str, images: list, clips: lis
             sequences, waveform = model.generate(
                 **inputs, speaker=speaker, thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
                 thinker_eos_token_id=None, talker_max_new_tokens=max_codes, talker_do_sample=False,
-                talker_repetition_penalty=1.0)
+                talker_repetition_penalty=repetition_penalty)
     finally:
         model.token2wav.forward = token2wav
     return sequences[0, inputs["input_ids"].shape[1]:].tolist(), captured["codes"], waveform

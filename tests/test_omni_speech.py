@@ -66,3 +66,38 @@ def test_an_unknown_voice_is_a_clear_error(tiny_omni):
     llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
     with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
         llm.generate("hi", SamplingParams(max_tokens=2), voice="Nobody")
+
+
+def test_the_talker_s_repetition_penalty_matches_transformers(tiny_omni):
+    # Qwen2.5-Omni's default for its talker is 1.05, over its prompt's codes and its own.
+    tokens, codes, _ = hf_omni_spoken_greedy(tiny_omni, *CASES[0], MAX_TOKENS, MAX_CODES, "Chelsie", SEED,
+                                             repetition_penalty=1.3)
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
+    out, = llm.generate(as_prompt(*CASES[0]), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        voice="Chelsie",
+                        talker_params=SamplingParams(temperature=0, max_tokens=MAX_CODES, repetition_penalty=1.3))
+    assert (out.token_ids, out.codec_token_ids) == (tokens, codes)
+
+
+def test_a_talker_that_ends_first_and_a_one_token_answer(tiny_omni):
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
+    text = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # The talker stops after 2 codes while the thinker still writes: the text is whole.
+    out, = llm.generate(as_prompt(*CASES[0]), text, voice="Ethan",
+                        talker_params=SamplingParams(temperature=0, max_tokens=2))
+    assert len(out.token_ids) == MAX_TOKENS and len(out.codec_token_ids) == 2 and out.audio.size > 0
+    # One token of text: the talker hears its prompt, then the text's end, then pads.
+    out, = llm.generate(as_prompt(*CASES[0]), SamplingParams(temperature=0, max_tokens=1), voice="Ethan",
+                        talker_params=SamplingParams(temperature=0, max_tokens=5))
+    assert len(out.token_ids) == 1 and 0 < len(out.codec_token_ids) <= 5
+    # Nothing is left behind in either engine.
+    assert not llm.engine.has_unfinished_requests and not llm._speech.answers and not llm._speech.streams
+    assert llm._speech.talker.stats().kv_blocks_used == 0
+
+
+def test_a_refused_answer_queues_nothing(tiny_omni):
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
+    with pytest.raises(ValueError, match="unknown voice"):
+        llm.generate(["one", "two"], SamplingParams(max_tokens=2), voice="Nobody")
+    assert not llm.engine.has_unfinished_requests
+    assert llm.generate("text alone still works", SamplingParams(max_tokens=2))[0].token_ids

@@ -27,7 +27,8 @@ from workers.paged_attention import ATTENTION_NAME
 class TalkerRows:
     """One answer's input rows, at the thinker's width, in talker positions: the thinker's
     prompt rows, the speaker's text-bos embedding, then a row per generated thinker token as
-    it comes. `finish(eos)` ends the stream: its text-eos row, then `pad` for ever after."""
+    it comes. `finish(eos)` ends the stream: its text-eos row, then `pad` for ever after.
+    Rows are kept in one buffer that doubles when full (appends cost their own rows only)."""
 
     num_prompt_rows: int
     pad: torch.Tensor
@@ -35,17 +36,21 @@ class TalkerRows:
     # the delta of later positions; None: text positions on all three axes.
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
-    chunks: list[torch.Tensor] = field(default_factory=list)
     num_rows: int = 0
     finished: bool = False
-    _joined: torch.Tensor | None = None
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
 
     def append(self, rows: torch.Tensor) -> None:
         if self.finished:
             raise RuntimeError("rows after the end of the stream")
-        self.chunks.append(rows)
-        self.num_rows += rows.shape[0]
-        self._joined = None
+        needed = self.num_rows + rows.shape[0]
+        if self._buffer is None or needed > self._buffer.shape[0]:
+            grown = torch.empty(max(needed, 2 * self.num_rows, 64), rows.shape[1], dtype=rows.dtype)
+            if self._buffer is not None:
+                grown[:self.num_rows] = self._buffer[:self.num_rows]
+            self._buffer = grown
+        self._buffer[self.num_rows:needed] = rows
+        self.num_rows = needed
 
     def finish(self, eos: torch.Tensor) -> None:
         self.append(eos.unsqueeze(0))
@@ -57,15 +62,12 @@ class TalkerRows:
         return None if self.finished else self.num_rows
 
     def rows(self, start: int, end: int) -> torch.Tensor:
-        if self._joined is None:
-            self._joined = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
-            self.chunks = [self._joined]
-        stored = self._joined[start:min(end, self.num_rows)]
+        stored = self._buffer[start:min(end, self.num_rows)]
         if end <= self.num_rows:
             return stored
         if not self.finished:
             raise RuntimeError(f"rows up to {end} asked for; {self.num_rows} have arrived")
-        return torch.cat([stored, self.pad.expand(end - max(start, self.num_rows), -1)])
+        return torch.cat([stored, self.pad.to(stored.dtype).expand(end - max(start, self.num_rows), -1)])
 
 
 class _TalkerPositions:

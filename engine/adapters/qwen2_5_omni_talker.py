@@ -73,7 +73,7 @@ class OmniCodec(Qwen2_5OmniPreTrainedModel):
         with torch.inference_mode():
             wav = self.token2wav(code, conditioning=speaker["cond"].to(device).float(),
                                  reference_mel=speaker["ref_mel"].to(device).float())
-        return wav.reshape(-1).float()
+        return wav.reshape(-1).float().cpu()
 
 
 class TalkerSpec:
