@@ -2,7 +2,7 @@
 ~95% prefix hit, for a text, an image and an audio prompt. One run prints one table; every
 ratio is against the cache-off run of the same prompt in the same run.
 
-    python benchmarks/omni.py            # the full run (about 2 minutes on 2 quiet cores)
+    python benchmarks/omni.py            # the full run (about 4 minutes on 2 quiet cores)
     python benchmarks/omni.py --quick    # tiny sizes, to check that the script runs
 
 The model is a random-weight Qwen2.5-Omni (the real architecture, transformers' classes, all
@@ -19,8 +19,13 @@ context's KV and its talker rows from the caches and computes only the question.
 both caches off, everything computed. The figure is the time to the first token (the prefill,
 offline, one request at a time), the median of the rounds.
 
-The talker stage's rows (first audio with chunked vs whole-answer hand-off, first audio at 1,
-2 and 4 conversations, the real-time factor) join this table when the talker is served.
+A second table: the time from a spoken answer's request to its first codec token, at 1, 2
+and 4 conversations started together (offline: thinker and talker in one process, taking
+turns), with the chunked hand-off (the talker starts on the thinker's first reply token) and
+with the whole answer handed over; the talker's proportions to the thinker are the 7B's (a
+quarter of its width, its depth). The codec turns a whole answer's codes into audio at its
+end, so first audio itself is not measured yet (chunked code2wav is still to come), nor the
+real-time factor.
 """
 
 from __future__ import annotations
@@ -53,15 +58,19 @@ class Scale:
     image_side: int
     clip_seconds: float
     rounds: int
+    # Spoken answers: text tokens and codec tokens each.
+    text_tokens: int = 48
+    codes: int = 96
 
 
-FULL = Scale("omni-bench-512x8", OmniSizes(width=512, layers=8, heads=8, kv_heads=2, intermediate=2816,
-                                           vision_width=192, vision_depth=8, vision_heads=3, audio_width=192,
-                                           audio_layers=8, audio_heads=3, mel_bins=128, audio_window=50,
-                                           max_pixels=1280 * 28 * 28),
+FULL = Scale("omni-bench-512x8-t128", OmniSizes(width=512, layers=8, heads=8, kv_heads=2, intermediate=2816,
+                                                vision_width=192, vision_depth=8, vision_heads=3, audio_width=192,
+                                                audio_layers=8, audio_heads=3, mel_bins=128, audio_window=50,
+                                                max_pixels=1280 * 28 * 28, talker_width=128, talker_layers=8,
+                                                talker_heads=2),
              context_words=130, image_side=448, clip_seconds=10.0, rounds=5)
 QUICK = Scale("omni-bench-quick", OmniSizes(max_pixels=64 * 28 * 28), context_words=60, image_side=112,
-              clip_seconds=2.0, rounds=2)
+              clip_seconds=2.0, rounds=2, text_tokens=8, codes=16)
 
 
 def model_folder(scale: Scale) -> Path:
@@ -131,6 +140,66 @@ def measure(folder: Path, scale: Scale) -> list[dict]:
     return rows
 
 
+def first_codes(llm, speech, prompts: list[str], text_tokens: int, codes: int) -> list[float]:
+    """Speaks `prompts` together; each answer's seconds to its first codec token."""
+    from engine import SamplingParams
+
+    # Fixed lengths: the random talker may not say its end codes.
+    talker = SamplingParams(temperature=0, max_tokens=codes, logit_bias={speech.spec.codec_pad: -100.0,
+                                                                        speech.spec.codec_eos: -100.0})
+    talker = speech.talker_params(talker)
+    text = SamplingParams(temperature=0, max_tokens=text_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    first: dict[str, float] = {}
+    pending = set()
+    for prompt in prompts:
+        request = llm.engine.make_request(prompt, text)
+        llm.engine.add_engine_request(request)
+        speech.add(request.request_id, request.prompt_token_ids, [], "Chelsie", talker)
+        pending.add(request.request_id)
+    while pending:
+        speech.after_thinker_step(llm.engine.step())
+        for answer in list(speech.answers.values()):
+            if answer.codes and answer.request_id not in first:
+                first[answer.request_id] = time.perf_counter() - started
+        for answer in speech.talker_step():
+            first.setdefault(answer.request_id, time.perf_counter() - started)
+            pending.discard(answer.request_id)
+    while llm.engine.has_unfinished_requests:
+        llm.engine.step()
+    return sorted(first.values())
+
+
+def measure_speech(folder: Path, scale: Scale) -> list[dict]:
+    from engine import LLM
+    from engine.omni_speech import OmniSpeech
+
+    llm = LLM(str(folder), quantization="none", block_size=16, omni_speech=True)
+    speeches = {handoff: OmniSpeech(llm.engine, handoff=handoff) for handoff in ("chunked", "whole")}
+    rows = []
+    for conversations in (1, 2, 4):
+        for handoff, speech in speeches.items():
+            firsts = []
+            for round_index in range(scale.rounds):
+                prompts = [f"Question {round_index}-{k}: {words(40, 300 + 10 * round_index + k)}?"
+                           for k in range(conversations)]
+                firsts.append(statistics.median(first_codes(llm, speech, prompts, scale.text_tokens, scale.codes)))
+            rows.append({"conversations": conversations, "handoff": handoff, "first": statistics.median(firsts)})
+    return rows
+
+
+def print_speech_table(rows: list[dict], scale: Scale) -> None:
+    sizes = scale.sizes
+    print(f"\nTime to the first codec token, talker {sizes.talker_width} wide x {sizes.talker_layers} layers, "
+          f"{scale.text_tokens} text tokens and {scale.codes} codes an answer, median of {scale.rounds} rounds")
+    print("| conversations | chunked hand-off (ms) | whole-answer hand-off (ms) | whole / chunked |")
+    print("|---|---|---|---|")
+    by_key = {(row["conversations"], row["handoff"]): row["first"] for row in rows}
+    for conversations in (1, 2, 4):
+        chunked, whole = by_key[(conversations, "chunked")], by_key[(conversations, "whole")]
+        print(f"| {conversations} | {chunked * 1000:.0f} | {whole * 1000:.0f} | {whole / chunked:.1f}x |")
+
+
 def print_table(rows: list[dict], scale: Scale) -> None:
     sizes = scale.sizes
     print(f"\nPrefill at a ~95% prefix hit, thinker {sizes.width} wide x {sizes.layers} layers, towers "
@@ -150,6 +219,7 @@ def main() -> None:
     scale = QUICK if args.quick else FULL
     folder = model_folder(scale)
     print_table(measure(folder, scale), scale)
+    print_speech_table(measure_speech(folder, scale), scale)
 
 
 if __name__ == "__main__":

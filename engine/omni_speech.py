@@ -56,7 +56,13 @@ class _Answer:
 
 
 class OmniSpeech:
-    def __init__(self, engine, talker_config: EngineConfig | None = None) -> None:
+    """`handoff`: "chunked" starts the talker on the thinker's first reply token; "whole" waits
+    for the thinker's whole answer (for measuring what the chunked hand-off saves)."""
+
+    def __init__(self, engine, talker_config: EngineConfig | None = None, handoff: str = "chunked") -> None:
+        if handoff not in ("chunked", "whole"):
+            raise ValueError(f"handoff must be chunked or whole, got {handoff!r}")
+        self.handoff = handoff
         from transformers import AutoConfig
 
         from engine.adapters.qwen2_5_omni_talker import TalkerSpec
@@ -162,7 +168,7 @@ class OmniSpeech:
         known = answer.rows.known_positions
         if not answer.talker_started:
             prompt = answer.num_prompt_tokens + 2
-            if known is not None and known < prompt:
+            if (known is not None and known < prompt) or (self.handoff == "whole" and not answer.thinker_done):
                 return
             self.streams[answer.request_id] = answer.rows
             request = Request(answer.request_id, self.spec.prompt_token_ids(answer.num_prompt_tokens),

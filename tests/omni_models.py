@@ -91,6 +91,10 @@ class OmniSizes:
     audio_window: int = 8
     # Pixels an image may have (28x28 is one embedding): at most 16 embeddings in the tests.
     max_pixels: int = 16 * 28 * 28
+    # The talker (its head_dim 16 in the tests).
+    talker_width: int = 48
+    talker_layers: int = 2
+    talker_heads: int = 3
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -125,10 +129,13 @@ def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast, sizes: OmniSizes) -
                    vision_end_token_id=ids["<|vision_eos|>"], audio_start_token_id=ids["<|audio_bos|>"],
                    audio_end_token_id=ids["<|audio_eos|>"],
                    user_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"), initializer_range=0.2)
-    talker = dict(vocab_size=CODEC_VOCAB, embedding_size=width, hidden_size=48, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
-                  max_position_embeddings=2048,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    talker_head_dim = sizes.talker_width // sizes.talker_heads
+    talker = dict(vocab_size=CODEC_VOCAB, embedding_size=width, hidden_size=sizes.talker_width,
+                  intermediate_size=2 * sizes.talker_width, num_hidden_layers=sizes.talker_layers,
+                  num_attention_heads=sizes.talker_heads, num_key_value_heads=1, head_dim=talker_head_dim,
+                  max_position_embeddings=8192,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": _mrope_section(talker_head_dim)},
                   tts_text_start_token_id=ids["<tts_text_bos>"], tts_text_end_token_id=ids["<tts_text_eod>"],
                   tts_text_pad_token_id=ids["<tts_pad>"], tts_codec_start_token_id=CODEC_BOS,
                   tts_codec_end_token_id=CODEC_EOS, tts_codec_pad_token_id=CODEC_PAD,
