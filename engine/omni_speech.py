@@ -103,7 +103,8 @@ class OmniSpeech:
 
     def add(self, request_id: str, prompt_token_ids: list[int], placeholders, speaker: str,
             talker_params: SamplingParams) -> None:
-        """Speak the answer of the thinker request `request_id` (added to the thinker, checked)."""
+        """Speak the answer of the thinker request `request_id` (added to the thinker, checked);
+        `talker_params` as `talker_params()` made them."""
         size = len(prompt_token_ids)
         positions, delta = None, 0
         if placeholders:
@@ -111,7 +112,7 @@ class OmniSpeech:
             positions, delta = self.adapter.prompt_positions(size + 2, placeholders)
         rows = self._rows_class(num_prompt_rows=size, pad=self.spec.text_pad, mrope_positions=positions,
                                 mrope_delta=delta)
-        params = self.talker_params(talker_params)
+        params = talker_params
         self.answers[request_id] = _Answer(request_id, size, speaker, rows, params)
 
     def talker_params(self, params: SamplingParams) -> SamplingParams:
