@@ -1,24 +1,27 @@
 """Reference outputs for omni checkpoints from transformers' own processor and model.
 
 `prompt_text` is what the chat template renders: the family's placeholder text once per image
-and per audio clip. transformers' Qwen2.5-Omni processor expands it and makes the pixel values
-and log-mel features; the full model's `generate` gives the thinker's greedy tokens.
+and per audio clip. transformers' processor for the checkpoint's family (Qwen2.5-Omni or
+Qwen3-Omni, read from its config.json) expands it and makes the pixel values and log-mel
+features; the full model's `generate` gives the thinker's greedy tokens.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import torch
 from transformers import (AutoImageProcessor, AutoTokenizer, Qwen2_5OmniForConditionalGeneration,
-                          Qwen2_5OmniProcessor, WhisperFeatureExtractor)
+                          Qwen2_5OmniProcessor, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor,
+                          WhisperFeatureExtractor)
 
 
-class Qwen2_5OmniNoVideoProcessor(Qwen2_5OmniProcessor):
-    """The stock processor wants a video processor, which needs torchvision (never installed on
+class _WithoutVideo:
+    """The stock processors want a video processor, which needs torchvision (never installed on
     CPU hosts). Images and audio only: the same placeholder expansion, no video processor."""
 
     def check_argument_for_proper_class(self, argument_name, argument):
@@ -27,17 +30,37 @@ class Qwen2_5OmniNoVideoProcessor(Qwen2_5OmniProcessor):
         return super().check_argument_for_proper_class(argument_name, argument)
 
 
+class Qwen2_5OmniNoVideoProcessor(_WithoutVideo, Qwen2_5OmniProcessor):
+    pass
+
+
+class Qwen3OmniNoVideoProcessor(_WithoutVideo, Qwen3OmniMoeProcessor):
+    pass
+
+
+# By config.json's model_type: the processor and the full model.
+FAMILIES = {
+    "qwen2_5_omni": (Qwen2_5OmniNoVideoProcessor, Qwen2_5OmniForConditionalGeneration),
+    "qwen3_omni_moe": (Qwen3OmniNoVideoProcessor, Qwen3OmniMoeForConditionalGeneration),
+}
+
+
+def _family(path: Path) -> tuple[type, type]:
+    return FAMILIES[json.loads((Path(path) / "config.json").read_text())["model_type"]]
+
+
 @functools.cache
-def load_processor(path: Path) -> Qwen2_5OmniNoVideoProcessor:
-    return Qwen2_5OmniNoVideoProcessor(
+def load_processor(path: Path):
+    processor_class, _ = _family(path)
+    return processor_class(
         image_processor=AutoImageProcessor.from_pretrained(path, backend="pil"), video_processor=None,
         feature_extractor=WhisperFeatureExtractor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
 
 
 @functools.cache
-def load_reference_omni(path: Path) -> Qwen2_5OmniForConditionalGeneration:
-    return Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+def load_reference_omni(path: Path):
+    _, model_class = _family(path)
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_omni_inputs(path: Path, prompt_text: str, images: list[PIL.Image.Image], clips: list[np.ndarray]):

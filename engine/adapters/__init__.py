@@ -8,6 +8,7 @@ from engine.adapters.base import ModelAdapter
 from engine.adapters.llava import LlavaAdapter
 from engine.adapters.qwen2_5_omni import Qwen2_5OmniAdapter
 from engine.adapters.qwen2_vl import Qwen2VLAdapter
+from engine.adapters.qwen3_omni import Qwen3OmniAdapter
 
 # Keyed by config.json's model_type. Families not listed are text-only: no adapter.
 ADAPTERS: dict[str, type[ModelAdapter]] = {
@@ -15,6 +16,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
     "qwen2_5_vl": Qwen2VLAdapter,
     "llava": LlavaAdapter,
     "qwen2_5_omni": Qwen2_5OmniAdapter,
+    "qwen3_omni_moe": Qwen3OmniAdapter,
 }
 
 

@@ -131,18 +131,24 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
         if sample_rate != self.sample_rate:
             samples = resample(samples, sample_rate, self.sample_rate)
         # Resampling may round up by a sample.
-        samples = samples[:self.max_audio_samples]
-        # As Qwen2_5OmniProcessor calls it: padded to the whole window, then the tower reads
-        # only the clip's own frames (the attention mask's).
+        tower_input = self.log_mel(samples[:self.max_audio_samples])
+        num_embeddings = self.audio_embedding_count(tower_input.shape[1])
+        if num_embeddings < 1:
+            raise MediaError("invalid_audio", f"an audio clip of {seconds * 1000:.0f} ms is too short for the model "
+                             "to hear (it makes no embedding)")
+        return ProcessedItem(mm_hash=mm_hash, num_embeddings=num_embeddings, tower_input=tower_input, modality="audio")
+
+    def log_mel(self, samples: np.ndarray) -> np.ndarray:
+        """The clip's features [mel, frames], as Qwen2_5OmniProcessor makes them: padded to the
+        whole window, then only the clip's own frames (the attention mask's) kept."""
         features = self.feature_extractor(samples, sampling_rate=self.sample_rate, padding="max_length",
                                           return_attention_mask=True, return_tensors="np")
         frames = int(features["attention_mask"][0].sum())
-        if audio_embedding_count(frames) < 1:
-            raise MediaError("invalid_audio", f"an audio clip of {seconds * 1000:.0f} ms is too short for the model "
-                             "to hear (it takes 40 ms an embedding)")
-        tower_input = np.ascontiguousarray(features["input_features"][0][:, :frames], dtype=np.float32)
-        return ProcessedItem(mm_hash=mm_hash, num_embeddings=audio_embedding_count(frames), tower_input=tower_input,
-                             modality="audio")
+        return np.ascontiguousarray(features["input_features"][0][:, :frames], dtype=np.float32)
+
+    def audio_embedding_count(self, num_frames: int) -> int:
+        """Embeddings the audio tower makes of `num_frames` mel frames."""
+        return audio_embedding_count(num_frames)
 
     def warm_up_items(self) -> list[ProcessedItem]:
         tone = np.sin(2 * np.pi * 220 * np.arange(self.sample_rate) / self.sample_rate).astype(np.float32)
@@ -160,7 +166,7 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
 
     def max_embeddings_per_item(self) -> int:
         return max(super().max_embeddings_per_item(),
-                   audio_embedding_count(self.max_audio_samples // self.feature_extractor.hop_length))
+                   self.audio_embedding_count(self.max_audio_samples // self.feature_extractor.hop_length))
 
     def _model_identity(self) -> dict:
         return {"vision": config_values(self.hf_config.vision_config),
