@@ -55,16 +55,21 @@ def items_from_frames(headers: list[protocol.ItemHeader], frames: list) -> list[
 
 
 def tensor_frame(mm_hash: str, tensor) -> tuple[protocol.ItemEmbeddings, memoryview]:
+    dtype, shape, frame = tensor_bytes(tensor)
+    return protocol.ItemEmbeddings(mm_hash=mm_hash, dtype=dtype, shape=shape), frame
+
+
+def tensor_bytes(tensor) -> tuple[str, list[int], memoryview]:
+    """A tensor's dtype name, shape and raw bytes (on the host), for a header and its frame."""
     import torch
 
     tensor = tensor.detach().contiguous().cpu()
     raw = tensor.reshape(-1).view(torch.uint8)
-    header = protocol.ItemEmbeddings(mm_hash=mm_hash, dtype=str(tensor.dtype).removeprefix("torch."),
-                                     shape=list(tensor.shape))
-    return header, memoryview(raw.numpy()).cast("B")
+    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape), memoryview(raw.numpy()).cast("B")
 
 
-def tensor_from_frame(header: protocol.ItemEmbeddings, frame):
+def tensor_from_frame(header, frame):
+    """The tensor a `tensor_bytes` frame holds; `header` has its dtype name and shape."""
     import torch
 
     dtype = getattr(torch, header.dtype, None)

@@ -84,8 +84,12 @@ class EngineConfig:
     # rows its talker consumes in a hidden-state store (engine/hidden_state_store.py: one row of
     # the thinker's width per KV slot, in host memory, at most hidden_state_store_gib; a KV pool
     # that needs more is refused at start). Off, an omni model serves text and costs nothing more.
+    # The server turns it on for an omni model with voice on (its talker process speaks).
     omni_speech: bool = False
     hidden_state_store_gib: float = 4.0
+    # The most codec tokens one spoken answer may take (at 50 a second: 82 s of speech), so a
+    # talker that never says its end code stops.
+    max_spoken_codes: int = 4096
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
@@ -131,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
         if not self.hidden_state_store_gib > 0:
             raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
+        if self.max_spoken_codes < 1:
+            raise ValueError(f"max_spoken_codes must be >= 1, got {self.max_spoken_codes}")
         if self.omni_speech:
             if self.async_scheduling:
                 raise ValueError("omni_speech reads the thinker's rows between steps: async_scheduling must be off")

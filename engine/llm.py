@@ -82,12 +82,13 @@ class LLM:
 
     def _generate_spoken(self, prompts, sampling_params, voice: str,
                          talker_params: SamplingParams | None) -> list[RequestOutput]:
-        from engine.omni_speech import DEFAULT_TALKER_PARAMS, OmniSpeech
+        from engine.omni_speech import OmniSpeech
 
         if self._speech is None:
             self._speech = OmniSpeech(self.engine)
         speech = self._speech
-        talker_params = speech.talker_params(talker_params or DEFAULT_TALKER_PARAMS)
+        talker_params = (speech.talker_params(talker_params) if talker_params is not None
+                         else speech.stage.default_params(self.engine.config.max_spoken_codes))
         # Everything checked before anything is queued: a bad voice leaves no half-added batch.
         try:
             requests = [self.engine.make_request(p, sp) for p, sp in zip(*self._pair(prompts, sampling_params))]

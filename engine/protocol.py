@@ -14,6 +14,18 @@ from engine.request import MultiModalPlaceholder
 from engine.sampling_params import SamplingParams
 
 
+class SpeechOptions(msgspec.Struct, kw_only=True):
+    """An omni model's answer spoken by the model itself: the decoder hands the talker process
+    the thinker's rows of the answer as it makes them (StartSpeaking, ThinkerRows), and the
+    talker sends its audio to the frontend under `speech_id` (SpeechAudio)."""
+
+    speech_id: str
+    voice: str
+    sample_rate: int = 24000
+    # Seeds the talker's sampling and the codec's noise: the same request, the same audio.
+    seed: int | None = None
+
+
 class EngineRequest(msgspec.Struct, tag="add", kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -22,6 +34,7 @@ class EngineRequest(msgspec.Struct, tag="add", kw_only=True):
     cache_salt: str | None = None
     # Where each image or audio item sits in the prompt; its pixels go to the encoder.
     mm_placeholders: list[MultiModalPlaceholder] = []
+    speech: SpeechOptions | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -99,7 +112,31 @@ class CancelSpeech(msgspec.Struct, tag="cancel_speech"):
     request_ids: list[str]
 
 
-TalkerInput = SpeakText | CancelSpeech | Shutdown
+class StartSpeaking(msgspec.Struct, tag="start_speaking", kw_only=True):
+    """Decoder -> talker (omni): an answer to speak, sent when its request is added. With
+    `has_positions` the next frame holds the talker prompt's M-RoPE positions (int64, [3,
+    num_prompt_tokens + 2]); without, they are text positions."""
+
+    speech: SpeechOptions
+    num_prompt_tokens: int
+    has_positions: bool = False
+    mrope_delta: int = 0
+
+
+class ThinkerRows(msgspec.Struct, tag="thinker_rows", kw_only=True):
+    """Decoder -> talker (omni): the thinker's rows of one answer from position `start` on (the
+    next frame: raw `dtype` values of `shape`, absent when `shape` is empty). `ended`: its text
+    is over; `error`: it failed, and is not to be spoken."""
+
+    speech_id: str
+    start: int
+    dtype: str = ""
+    shape: list[int] = []
+    ended: bool = False
+    error: str | None = None
+
+
+TalkerInput = SpeakText | CancelSpeech | StartSpeaking | ThinkerRows | Shutdown
 
 
 class ItemEmbeddings(msgspec.Struct, tag="embeddings", kw_only=True):
@@ -162,6 +199,8 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     encoder_budget: int = 0
     # The model's vocabulary (its logits' width): the frontend's grammar checks use it.
     vocab_size: int = 0
+    # The talker of an omni model: the speakers it has (a request's voice names one).
+    voices: list[str] = []
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", kw_only=True):

@@ -4,16 +4,17 @@ them as flags; the worker's main (workers/worker_loop.py, worker_main) declares 
 
 Per worker: flag -> the supervisor's name for the socket. Two workers given one name share that
 address: every worker's `output` is the one socket the front end reads; the decoder's
-`encoder-asks` is the encoder's `asks`, and both speak of `embeddings`.
+`encoder-asks` is the encoder's `asks`, and both speak of `embeddings`; the decoder hands an
+omni model's rows to the talker on `thinker-rows`.
 """
 
 from __future__ import annotations
 
 WORKER_SOCKETS: dict[str, dict[str, str]] = {
     "decoder": {"input": "decoder-in", "output": "outputs", "encoder-asks": "encoder-asks",
-                "embeddings": "embeddings"},
+                "embeddings": "embeddings", "thinker-rows": "thinker-rows"},
     "encoder": {"input": "encoder-in", "output": "outputs", "asks": "encoder-asks", "embeddings": "embeddings"},
-    "talker": {"input": "talker-in", "output": "outputs", "speech": "speech"},
+    "talker": {"input": "talker-in", "output": "outputs", "speech": "speech", "thinker-rows": "thinker-rows"},
 }
 
 # Every address the supervisor makes.

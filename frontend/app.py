@@ -69,6 +69,17 @@ def image_adapter(path: Path):
     return adapter_for(path, AutoConfig.from_pretrained(path))
 
 
+def speaks_itself(engine_config: EngineConfig) -> None:
+    """An omni model with voice on speaks its own answers: the decoder keeps the thinker's rows
+    for the talker process, which runs the model's talker and codec instead of Piper."""
+    if engine_config.async_scheduling:
+        raise ValueError("an omni model's spoken answers read the thinker's rows between steps: "
+                         "--async-scheduling off (or --no-voice)")
+    engine_config.omni_speech = True
+    engine_config.async_scheduling = False
+    logger.info("voice: the omni model speaks its own answers (its talker and codec in the talker process)")
+
+
 def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
     state = AppState(config, engine_config,
                      EngineClient(engine_config, max_restarts=config.max_worker_restarts,
@@ -96,6 +107,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         state.started = int(time.time())
         tokenizer = load_tokenizer(path)
         adapter = image_adapter(path)
+        if engine_config.voice and adapter is not None and adapter.talker_row_width() is not None:
+            speaks_itself(engine_config)
         if engine_config.voice:
             logger.info("starting the decoder, encoder and talker processes (the first two import torch and load "
                         "%s; the encoder also loads Whisper, the talker a Piper voice); --no-voice skips speech",

@@ -107,7 +107,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AudioOutput(msgspec.Struct, forbid_unknown_fields=True):
-    voice: Annotated[str, msgspec.Meta(max_length=64)]  # every name speaks with the server's voice
+    # With the cascade every name speaks with the server's one voice; an omni model's speakers
+    # are its voices.
+    voice: Annotated[str, msgspec.Meta(max_length=64)]
     format: Literal["wav", "pcm16"]
 
 

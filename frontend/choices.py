@@ -54,10 +54,12 @@ def params_per_choice(params: SamplingParams, count: int) -> list[SamplingParams
 
 
 async def start_choices(generation: GenerationService, leases: list[RequestLease], prompts: list, params: list,
-                        cache_salt: str | None, first_index: int = 0) -> list[Choice]:
+                        cache_salt: str | None, first_index: int = 0, speech=None) -> list[Choice]:
     """Starts every choice at once and waits for each one's first chunk. If one fails or the
-    caller is cancelled, all of them are closed (their engine requests aborted)."""
-    streams = [generation.stream(lease, prompt, p, cache_salt) for lease, prompt, p in zip(leases, prompts, params)]
+    caller is cancelled, all of them are closed (their engine requests aborted). `speech`: the
+    SpeechOptions of a spoken answer (one choice) an omni model speaks."""
+    streams = [generation.stream(lease, prompt, p, cache_salt, speech) for lease, prompt, p in zip(leases, prompts,
+                                                                                                   params)]
     firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
     try:
         await asyncio.gather(*firsts)

@@ -174,6 +174,10 @@ def _add_engine_options(group) -> None:
                        help="serve text only: no speech recognition (encoder) nor synthesis (talker process); "
                             "audio events and endpoints answer unsupported_modality / 503")
     engine.add("asr_model", "a local Whisper folder for speech recognition")
+    engine.add("hidden_state_store_gib", "an omni model's spoken answers: host memory of the store of the "
+                                         "thinker's rows the talker reads (it mirrors the KV pool)")
+    engine.add("max_spoken_codes", "an omni model's spoken answers: the most codec tokens one answer's speech "
+                                   "may take (50 a second)")
     engine.add("tts_voice", "a Piper voice .onnx file, its .onnx.json beside it")
 
 

@@ -140,6 +140,23 @@ class EngineClient:
     def voice_status(self) -> str:
         return self.supervisor.voice_status
 
+    @property
+    def speaks_itself(self) -> bool:
+        return self.talker.speaks_itself
+
+    @property
+    def voices(self) -> list[str]:
+        return self.talker.voices
+
+    def speaker(self, voice: str) -> str:
+        """See TalkerClient.speaker."""
+        return self.talker.speaker(voice)
+
+    def speech_options(self, request_id: str, voice: str, sample_rate: int,
+                       seed: int | None = None) -> protocol.SpeechOptions | None:
+        """See TalkerClient.speech_options."""
+        return self.talker.speech_options(request_id, voice, sample_rate, seed)
+
     def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
         """See TalkerClient.open_speech."""
         return self.talker.open_speech(request_id, requester)

@@ -194,7 +194,10 @@ class GenerationService:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def stream(self, lease: RequestLease, prompt: ChatPrompt | list[int], params: SamplingParams,
-                     cache_salt: str | None = None) -> AsyncIterator[TextChunk]:
+                     cache_salt: str | None = None,
+                     speech: protocol.SpeechOptions | None = None) -> AsyncIterator[TextChunk]:
+        """The answer's text as the engine makes it; with `speech` an omni model also speaks it
+        (its audio reaches the queue `open_speech` gave under speech.speech_id)."""
         if not isinstance(prompt, ChatPrompt):
             prompt = ChatPrompt(list(prompt))
         if cache_salt is not None and prompt.items:
@@ -205,6 +208,7 @@ class GenerationService:
                                           self.max_model_len, cache_salt, prompt.placeholders)
         except ValueError as exc:
             raise InvalidInput(str(exc), "prompt_too_long", "messages") from None
+        request.speech = speech
         output = RequestOutputProcessor(self.tokenizer, token_ids, request.sampling_params)
         started = time.monotonic()
         # The slot frees when the engine is done, even if this stream's reader lags behind.

@@ -174,6 +174,11 @@ class AudioEndpoints:
         except AudioRequestError as exc:
             return error_response(exc.status, str(exc), exc.code, exc.param)
         client = self.state.client
+        if client.speaks_itself:
+            # Its talker speaks what its thinker says (it is fed the thinker's hidden states), not
+            # arbitrary text: reading a text aloud word for word is the cascade's job.
+            return error_response(400, "this server's omni model speaks its own answers only; /v1/audio/speech "
+                                  "needs a text model with the Piper voice", "unsupported_model", "model")
         request_id = f"speech-{next(self._ids)}"
         try:
             queue = client.open_speech(request_id, requester_of_request(config, request))

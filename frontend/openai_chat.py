@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.chat_audio import SpeechFailed, SpokenAnswer, prepare_audio_parts
+from frontend.chat_audio import SPEECH_RATE, SpeechFailed, SpokenAnswer, prepare_audio_parts
 from frontend.chat_request import ChatCompletionRequest
 from frontend.choices import Choice, merged, params_per_choice
 from frontend.edge_decoding import InvalidInput
@@ -43,6 +43,8 @@ class ChatPlan:
     n: int
     tools: list | None
     spoken_format: str | None
+    # The omni model's speaker for a spoken answer (None with the cascade's one voice).
+    speaker: str | None = None
 
 
 class ChatCompletions:
@@ -67,7 +69,10 @@ class ChatCompletions:
                                   lifecycle.requester)
             lifecycle.on_release(spoken.close)
         prompt = await lifecycle.while_connected(state.generation.chat_prompt(plan.messages, plan.tools))
-        choices = await lifecycle.start([prompt] * plan.n, params_per_choice(plan.params, plan.n))
+        speech = None
+        if spoken is not None and plan.speaker is not None:
+            speech = state.client.speech_options(request_id, plan.speaker, SPEECH_RATE, plan.params.seed)
+        choices = await lifecycle.start([prompt] * plan.n, params_per_choice(plan.params, plan.n), speech)
         if plan.body.stream:
             return lifecycle.stream(self._sse(request_id, choices, plan, spoken))
         return await self._complete(lifecycle, request_id, choices, plan, spoken)
@@ -98,7 +103,7 @@ class ChatCompletions:
             params = msgspec.structs.replace(params, structured_output=constraint[0])
         body.recall_spoken_answers(state.spoken_answers, requester.tenant)
         messages = body.conversation()
-        spoken_format = body.spoken_format()
+        spoken_format, speaker = body.spoken_format(), None
         if spoken_format is not None:
             if not state.engine_config.voice:
                 raise InvalidInput("voice is off on this server (--no-voice)", "unsupported_modality", "modalities")
@@ -108,10 +113,15 @@ class ChatCompletions:
             if n > 1 or tools:
                 raise InvalidInput("a spoken answer is one choice without tools", "invalid_value",
                                    "n" if n > 1 else "tools")
+            if state.client.speaks_itself and state.client.voice_ready:  # else: 503 when it opens
+                try:
+                    speaker = state.client.speaker(body.audio.voice)
+                except ValueError as exc:
+                    raise InvalidInput(str(exc), "invalid_value", "audio.voice") from None
         # Spoken parts become encoder items an omni model hears, or their transcripts.
         await prepare_audio_parts(state.client, messages, state.generation.hears_audio, state.engine_config.voice,
                                   config.max_audio_buffer_seconds, requester)
-        return ChatPlan(body, params, messages, n, tools, spoken_format)
+        return ChatPlan(body, params, messages, n, tools, spoken_format, speaker)
 
     def _tools(self, body: ChatCompletionRequest) -> list[dict] | None:
         """The request's tools as dicts, checked; None when there are none or none may be called."""

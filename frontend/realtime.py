@@ -84,6 +84,9 @@ class RealtimeSession:
         # spoken answers).
         self.requester = requester
         self.session = new_session(new_id("sess"), state.model_name)
+        if state.client.speaks_itself and state.client.voices:
+            # An omni model speaks as one of its speakers: the first is the session's voice.
+            self.session["audio"]["output"]["voice"] = state.client.voices[0]
         # The kept conversation, and the user's spoken turns that join it.
         self.history = Conversation(self.config.max_conversation_items, self.config.max_conversation_bytes,
                                     self.config.max_conversation_audio_seconds, self.config.max_audio_clips_per_request)
@@ -238,6 +241,8 @@ class RealtimeSession:
             require_voice(self.state.engine_config, "session.output_modalities")
         check_modalities(update, "session.output_modalities")
         candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
+        if candidate["audio"]["output"]["voice"] != self.session["audio"]["output"]["voice"]:
+            self._check_speaker(candidate["audio"]["output"], "session.audio.output.voice")
         sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
         await self._check_answer_settings(candidate, "session")
         grown = self.history.instructions_growth(self.session["instructions"], candidate["instructions"])
@@ -246,6 +251,19 @@ class RealtimeSession:
         self.session = candidate
         self.history.bytes += grown
         await self.send({"type": "session.updated", "session": self.session})
+
+    def _check_speaker(self, audio_out: dict, param: str) -> None:
+        """An omni model's voices are its speakers: `audio_out`'s voice is set to the one it
+        names; a voice it does not have is refused."""
+        client = self.state.client
+        if not client.speaks_itself or not client.voice_ready:
+            # The cascade speaks every voice name with its one voice; a talker that is not
+            # ready refuses the response itself.
+            return
+        try:
+            audio_out["voice"] = client.speaker(audio_out["voice"])
+        except ValueError as exc:
+            raise InvalidInput(str(exc), "invalid_value", param) from None
 
     async def on_item_create(self, event: ItemCreate) -> None:
         item = message_item(event.item, self._takes_images)
@@ -310,6 +328,8 @@ class RealtimeSession:
             if not self.state.client.voice_ready:
                 raise InvalidInput(f"voice is unavailable: {self.state.client.voice_status}", "voice_unavailable")
         audio_out = merged_audio_settings(session["audio"], options)["output"] if speaking else None
+        if speaking:
+            self._check_speaker(audio_out, "response.audio.output.voice")
         own_input = out_of_band and options.input is not msgspec.UNSET
         if own_input:
             items = [message_item(i, self._takes_images) for i in options.input]

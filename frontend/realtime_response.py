@@ -89,7 +89,9 @@ class Response:
 
     async def run(self) -> None:
         self._open_speech()
-        stream = self.state.generation.stream(self.lease, self.prompt, self.params, self.session.cache_salt)
+        speech = (self.state.client.speech_options(self.id, self.audio_out["voice"], self.rate, self.params.seed)
+                  if self.speaking and self.pump is not None else None)
+        stream = self.state.generation.stream(self.lease, self.prompt, self.params, self.session.cache_salt, speech)
         # Submit the engine request first and announce the response while the prefill runs:
         # the opening events are not on the way to the first token. Sending them does not
         # yield to the loop, so without this sleep(0) the task would submit only after all

@@ -75,10 +75,11 @@ class RequestLifecycle:
         """`close` runs when the leases are released, after them."""
         self._on_release.append(close)
 
-    async def start(self, prompts: list, params: list) -> list[Choice]:
-        """Every admitted choice started, each with its first chunk, under this key's cache salt."""
+    async def start(self, prompts: list, params: list, speech=None) -> list[Choice]:
+        """Every admitted choice started, each with its first chunk, under this key's cache salt
+        (`speech`: see start_choices)."""
         return await self.while_connected(start_choices(self.generation, self.leases, prompts, params,
-                                                        self.cache_salt))
+                                                        self.cache_salt, speech=speech))
 
     async def all_chunks(self, choices: list[Choice]) -> list[list[TextChunk]]:
         """Every choice's chunks, for an answer sent whole; GenerationFailed if one ended in error."""

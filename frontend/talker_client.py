@@ -1,7 +1,9 @@
 """The front end's side of the talker, which speaks answers when voice is on.
 
 `open_speech` gives an answer its audio queue, `speak` feeds it text, `cancel_speech` stops it;
-the audio comes back on a socket of its own, read by `read_speech` (a background task). At most
+the audio comes back on a socket of its own, read by `read_speech` (a background task). With an
+omni model the model speaks its own answers: the decoder hands the talker the thinker's rows
+(the engine request carries SpeechOptions, see `speech_options`) and `speak` sends nothing. At most
 as many answers are spoken at once as the `spoken_answers` share allows. Losing the talker
 fails the answers being spoken, not text: /health stays healthy while it restarts (the
 supervisor's `voice_status` says why voice is down).
@@ -30,6 +32,35 @@ class TalkerClient:
         self._speech_slots: dict[str, ShareSlot] = {}
 
     @property
+    def speaks_itself(self) -> bool:
+        """Whether the model speaks its own answers (an omni model's talker), not the text it is sent."""
+        return self.workers.config.omni_speech
+
+    @property
+    def voices(self) -> list[str]:
+        """The omni talker's speakers (empty until it is ready, and with the cascade)."""
+        ready = self.workers.ready.get("talker")
+        return list(ready.voices) if ready is not None else []
+
+    def speaker(self, voice: str) -> str:
+        """The omni model's speaker that `voice` names (case aside); ValueError if none does
+        (ask once the talker is ready: until then it has no voices)."""
+        voices = self.voices
+        for name in voices:
+            if name.lower() == voice.lower():
+                return name
+        raise ValueError(f"unknown voice {voice!r}: this model speaks as {', '.join(voices)}")
+
+    def speech_options(self, request_id: str, voice: str, sample_rate: int,
+                       seed: int | None = None) -> protocol.SpeechOptions | None:
+        """What the engine request of a spoken answer carries (None with the cascade); `seed`
+        (the request's) makes its audio reproducible."""
+        if not self.speaks_itself:
+            return None
+        return protocol.SpeechOptions(speech_id=request_id, voice=self.speaker(voice), sample_rate=sample_rate,
+                                      seed=seed)
+
+    @property
     def voice_ready(self) -> bool:
         return self.workers.config.voice and "talker" in self.workers.running and not self.workers.failed
 
@@ -54,8 +85,10 @@ class TalkerClient:
 
     async def speak(self, request_id: str, text: str, *, sample_rate: int, final: bool = False,
                     speed: float = 1.0) -> None:
-        if request_id not in self.speech_queues:
-            return  # cancelled or failed meanwhile: nothing listens any more
+        if request_id not in self.speech_queues or self.speaks_itself:
+            # Cancelled or failed meanwhile: nothing listens any more. Or the model speaks its
+            # own answer, from the rows the decoder hands the talker.
+            return
         # Never blocks: a talker that stopped reading must not hold up the answer's text.
         await self.workers.send("talker", protocol.encode(protocol.SpeakText(
             request_id=request_id, text=text, final=final, sample_rate=sample_rate, speed=speed)), block=False)

@@ -17,9 +17,8 @@ from frontend.server_config import ServerConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 # Fields no flag of `antiphon serve` sets: the offline LLM takes them as keywords.
-# An omni model's spoken answers: the server's talker stage is not wired yet; offline only
-# (LLM(model, omni_speech=True, hidden_state_store_gib=...)).
-NOT_FLAGS = {"max_stalled_steps", "grammar_timeout_s", "omni_speech", "hidden_state_store_gib"}
+# omni_speech: the server turns it on for an omni model with voice on.
+NOT_FLAGS = {"max_stalled_steps", "grammar_timeout_s", "omni_speech"}
 # Fields set by a switch of another name: the switch turns the field off.
 SWITCHES = {"enable_prefix_caching": "no_prefix_caching", "enable_encoder_cache": "no_encoder_cache",
             "voice": "no_voice"}

@@ -8,8 +8,11 @@ For a multimodal model the decoder asks the encoder process for item embeddings 
 receives them on its own socket (workers/remote_encoder.py); while every request waits for
 the encoder, the loop sleeps on its sockets instead of spinning.
 
+For an omni model whose answers are spoken (`omni_speech`), the decoder hands each spoken
+answer's thinker rows to the talker process after every step (workers/thinker_rows_sender.py).
+
 Run by the frontend as `python -m workers.decoder_process --config JSON --input ADDR
---output ADDR --encoder-asks ADDR --embeddings ADDR`.
+--output ADDR --encoder-asks ADDR --embeddings ADDR --thinker-rows ADDR`.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ GRAMMAR_POLL_MS = 2
 
 class DecoderWorker:
     def __init__(self, config: EngineConfig, input_address: str, output_address: str,
-                 encoder_asks_address: str | None = None, embeddings_address: str | None = None) -> None:
+                 encoder_asks_address: str | None = None, embeddings_address: str | None = None,
+                 thinker_rows_address: str | None = None) -> None:
         self.context = zmq.Context()
         self.inputs = self.context.socket(zmq.PULL)
         self.inputs.connect(input_address)
@@ -56,6 +60,8 @@ class DecoderWorker:
         self.outputs.connect(output_address)
         self.encoder_addresses = (encoder_asks_address, embeddings_address)
         self.remote_encoder = None
+        self.thinker_rows_address = thinker_rows_address
+        self.rows_sender = None
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
         self.config = config
@@ -80,6 +86,11 @@ class DecoderWorker:
             self.remote_encoder = RemoteEncoder(self.context, *self.encoder_addresses)
             self.poller.register(self.remote_encoder.embeddings, zmq.POLLIN)
         self.core = EngineCore(self.config, executor, self.remote_encoder)
+        if executor.runner.hidden_store is not None and self.thinker_rows_address:
+            from workers.thinker_rows_sender import ThinkerRowsSender
+
+            self.rows_sender = ThinkerRowsSender(self.context, self.thinker_rows_address, executor.runner,
+                                                 executor.adapter)
         self.handoff_ms = 0 if executor.is_accelerated else FIRST_TOKEN_HANDOFF_MS
         seconds = warm_up(self.core)
         if seconds:
@@ -124,6 +135,8 @@ class DecoderWorker:
             self._add(message)
         elif isinstance(message, protocol.AbortRequests):
             self.core.abort_requests(message.request_ids)
+            if self.rows_sender is not None:
+                self.rows_sender.aborted(message.request_ids)
             self._awaiting_first.difference_update(message.request_ids)
             # Freed blocks must show in the stats even if no step follows.
             self._send([])
@@ -135,16 +148,24 @@ class DecoderWorker:
 
     def _add(self, message: protocol.EngineRequest) -> None:
         try:
+            if message.speech is not None and self.rows_sender is None:
+                raise ValueError("this model does not speak its answers (an omni model with voice on does)")
             self.core.add_request(to_request(message))
             self._awaiting_first.add(message.request_id)
         except ValueError as exc:
             self._send([protocol.RequestDelta(message.request_id, [], "error", error=str(exc))])
+            return
+        if message.speech is not None:
+            self.rows_sender.add(message.request_id, message)
 
     def _step(self) -> bool:
         """Runs one engine step and sends its outputs; True if some request got its first token."""
         deltas = []
         gave_first_tokens = False
-        for out in self.core.step():
+        outputs = self.core.step()
+        if self.rows_sender is not None:
+            self.rows_sender.after_step(outputs)
+        for out in outputs:
             if out.new_token_ids and out.request_id in self._awaiting_first:
                 gave_first_tokens = True
             if out.new_token_ids or out.finish_reason is not None:
@@ -169,6 +190,8 @@ class DecoderWorker:
             self.core.close()
         if self.remote_encoder is not None:
             self.remote_encoder.close()
+        if self.rows_sender is not None:
+            self.rows_sender.close()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.context.term()
@@ -176,7 +199,8 @@ class DecoderWorker:
 
 def main() -> None:
     worker_main("decoder", lambda config, addresses: DecoderWorker(
-        config, addresses.input, addresses.output, addresses.encoder_asks, addresses.embeddings))
+        config, addresses.input, addresses.output, addresses.encoder_asks, addresses.embeddings,
+        addresses.thinker_rows))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ drained between clauses: a cancel (barge-in, a client gone) takes effect before 
 clause, and one long answer cannot starve the first words of another. Text deltas never wait
 for audio: they reach the client from the frontend, which does not wait for the talker.
 
+With an omni model (`omni_speech`) the model speaks for itself: the process runs its talker
+and codec instead (workers/omni_talker_worker.py), fed the thinker's rows by the decoder.
+
 Run by the frontend as `python -m workers.talker_process --config JSON --input ADDR
---output ADDR --speech ADDR`.
+--output ADDR --speech ADDR --thinker-rows ADDR`.
 """
 
 from __future__ import annotations
@@ -181,8 +184,16 @@ class TalkerWorker:
         self.loop.close()
 
 
+def make_talker(config: EngineConfig, addresses: argparse.Namespace):
+    if config.omni_speech:
+        from workers.omni_talker_worker import OmniTalkerWorker
+
+        return OmniTalkerWorker(config, addresses)
+    return TalkerWorker(config, addresses)
+
+
 def main() -> None:
-    worker_main("talker", TalkerWorker)
+    worker_main("talker", make_talker)
 
 
 if __name__ == "__main__":

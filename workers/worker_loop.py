@@ -86,9 +86,10 @@ class WorkerLoop:
         """Sends `message` to the frontend on the output socket."""
         self.outputs.send(protocol.encode(message))
 
-    def ready(self) -> None:
-        """Tells the frontend the worker has loaded: the last thing its `load` does."""
-        self.send(protocol.WorkerReady(worker=self.name, pid=os.getpid()))
+    def ready(self, **details) -> None:
+        """Tells the frontend the worker has loaded (WorkerReady `details`): the last thing its
+        `load` does."""
+        self.send(protocol.WorkerReady(worker=self.name, pid=os.getpid(), **details))
 
     def run(self) -> None:
         while True:

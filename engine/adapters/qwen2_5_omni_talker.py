@@ -66,14 +66,37 @@ class OmniCodec(Qwen2_5OmniPreTrainedModel):
         self.token2wav = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config)
         self.post_init()
 
-    def waveform(self, codes: list[int], speaker: dict) -> torch.Tensor:
-        """A whole answer's waveform [samples], float32 at 24 kHz."""
+    def waveform(self, codes: list[int], speaker: dict, seed: int | None = None) -> torch.Tensor:
+        """A whole answer's waveform [samples], float32 at 24 kHz. The DiT starts from noise:
+        drawn after `seed` when given (the same codes and seed, the same waveform), else from
+        the process's generator, as transformers draws it."""
         device = next(self.parameters()).device
         code = torch.tensor([codes], dtype=torch.long, device=device)
-        with torch.inference_mode():
+        devices = [device] if device.type == "cuda" else []
+        with torch.inference_mode(), torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
             wav = self.token2wav(code, conditioning=speaker["cond"].to(device).float(),
                                  reference_mel=speaker["ref_mel"].to(device).float())
         return wav.reshape(-1).float().cpu()
+
+
+class ThinkerEmbeddings(Qwen2_5OmniPreTrainedModel):
+    """The thinker's token embeddings alone, for a talker process that has no thinker: the
+    talker's row stream uses a few of them (text-bos, -eos, -pad)."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^thinker\.(?!model\.embed_tokens\.)", r"^talker\.", r"^token2wav\."]
+
+    def __init__(self, config):
+        super().__init__(config)
+        text = config.thinker_config.text_config
+        self.thinker = nn.Module()
+        self.thinker.model = nn.Module()
+        self.thinker.model.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.thinker.model.embed_tokens
 
 
 class TalkerSpec:
@@ -95,6 +118,16 @@ class TalkerSpec:
             self.text_eos, self.text_pad = thinker_embeddings(ids.to(weight_device)).float().cpu()
             self.text_bos = {name: thinker_embeddings(torch.tensor([params["bos_token"]], device=weight_device))
                              .float().cpu()[0] for name, params in self.speakers.items()}
+
+    @classmethod
+    def from_checkpoint(cls, model_path: Path, thinker_embeddings: nn.Module | None = None) -> "TalkerSpec":
+        """The spec of an omni folder; without the thinker's embeddings, they are read from it."""
+        from transformers import AutoConfig
+
+        if thinker_embeddings is None:
+            thinker_embeddings = load_weights_into(ThinkerEmbeddings, Path(model_path), torch.float32,
+                                                   "cpu").get_input_embeddings()
+        return cls(model_path, AutoConfig.from_pretrained(model_path), thinker_embeddings)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

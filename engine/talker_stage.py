@@ -1,0 +1,197 @@
+"""The talker's side of an omni model's spoken answers: rows in, codec tokens and audio out.
+
+A `TalkerStage` owns the talker (a second engine core: scheduler, paged KV, continuous
+batching over every answer being spoken) and the codec. It is fed each answer's thinker rows
+as `RowsChunk`s (engine/thinker_rows.py) in the order the thinker made them, from the same
+process (offline, engine/omni_speech.py) or over ZeroMQ (the talker process); `step` runs one
+talker step and returns what each answer said in it. The talker starts an answer once its
+prompt's rows are in (chunked hand-off: the thinker's first reply token), not when the
+thinker is done; `Request.input_limit` keeps it from running past rows that have not come.
+
+The talker's executor lives in workers/ and is named here as data, as the LLM names its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+TALKER_EXECUTOR = "workers.talker_runner:TalkerExecutor"
+TALKER_ROWS = "workers.talker_runner:TalkerRows"
+
+# Qwen2.5-Omni's generate: the talker samples (top-k 40, top-p 0.8, temperature 0.9) with a
+# repetition penalty of 1.05, and never emits its codec-bos token.
+DEFAULT_TALKER_PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=4096)
+
+HANDOFFS = ("chunked", "whole")
+
+
+def _resolve(name: str):
+    module, attribute = name.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass
+class SpokenAnswer:
+    """One answer being spoken: its talker rows, what it said so far."""
+
+    request_id: str
+    num_prompt_tokens: int
+    speaker: str
+    rows: object  # TalkerRows
+    params: SamplingParams
+    talker_started: bool = False
+    thinker_done: bool = False
+    codes: list[int] = field(default_factory=list)
+    waveform: torch.Tensor | None = None
+    error: str | None = None
+
+
+@dataclass
+class SpeechUpdate:
+    """What one talker step did for one answer: its new codes, and whether it is `finished`
+    (its codes complete, or its `error` set)."""
+
+    answer: SpokenAnswer
+    new_codes: list[int]
+    finished: bool
+
+
+class TalkerStage:
+    """`handoff`: "chunked" starts the talker on the thinker's first reply token; "whole" waits
+    for the thinker's whole answer (for measuring what the chunked hand-off saves)."""
+
+    def __init__(self, spec, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 rows_dtype: torch.dtype, handoff: str = "chunked") -> None:
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+        self.spec = spec  # a TalkerSpec
+        self.handoff = handoff
+        self.streams: dict[str, object] = {}
+        self.talker = EngineCore(config, _resolve(TALKER_EXECUTOR)(config, spec, self.streams, device, dtype))
+        self.codec = spec.load_codec(device)
+        # The thinker's dtype: rows are kept as they come.
+        self.rows_dtype = rows_dtype
+        self._rows_class = _resolve(TALKER_ROWS)
+        self.answers: dict[str, SpokenAnswer] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.answers)
+
+    def default_params(self, max_codes: int, seed: int | None = None) -> SamplingParams:
+        """The checkpoint's own talker sampling, at most `max_codes` codes, seeded."""
+        return self.talker_params(msgspec.structs.replace(DEFAULT_TALKER_PARAMS, max_tokens=max_codes, seed=seed))
+
+    def talker_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` for the talker: it stops at the codec's pad or end code, and never says its
+        codec-bos code (a bias of -100: transformers' suppress_tokens sets -inf, which OpenAI's
+        bias range excludes)."""
+        return msgspec.structs.replace(params, stop_token_ids=list(self.spec.stop_token_ids),
+                                       logit_bias={**params.logit_bias, self.spec.codec_bos: -100.0})
+
+    def check(self, speaker: str, num_prompt_tokens: int, talker_params: SamplingParams) -> None:
+        """Raises ValueError if `add` would be refused, or the talker could never take the answer."""
+        if speaker not in self.spec.speakers:
+            raise ValueError(f"unknown voice {speaker!r}; this model has {', '.join(sorted(self.spec.speakers))}")
+        probe = Request("probe", self.spec.prompt_token_ids(num_prompt_tokens), talker_params)
+        self.talker.check_request(probe)
+
+    def add(self, request_id: str, num_prompt_tokens: int, speaker: str, talker_params: SamplingParams,
+            mrope_positions: np.ndarray | None = None, mrope_delta: int = 0) -> None:
+        """Expect the rows of a checked answer; `talker_params` as `talker_params()` made them,
+        positions as engine/thinker_rows.talker_prompt_positions made them."""
+        rows = self._rows_class(num_prompt_rows=num_prompt_tokens, pad=self.spec.text_pad,
+                                mrope_positions=mrope_positions, mrope_delta=mrope_delta)
+        self.answers[request_id] = SpokenAnswer(request_id, num_prompt_tokens, speaker, rows, talker_params)
+
+    def receive(self, request_id: str, start: int, rows: torch.Tensor | None, ended: bool = False,
+                error: str | None = None) -> SpokenAnswer | None:
+        """Takes the answer's thinker rows from position `start` on (see RowsChunk). An answer
+        whose text failed is dropped (returned, with its error); rows of an unknown answer
+        (dropped, cancelled) are ignored."""
+        answer = self.answers.get(request_id)
+        if answer is None or answer.thinker_done:
+            return None
+        if error is not None:
+            answer.error = error
+            self.drop(request_id)
+            return answer
+        if rows is not None and rows.shape[0]:
+            self._append(answer, start, rows)
+        if ended:
+            answer.thinker_done = True
+            answer.rows.finish(self.spec.text_eos.to(self.rows_dtype))
+        self._start_or_feed(answer)
+        return None
+
+    def drop(self, request_id: str) -> None:
+        """Forget an answer (failed, cancelled, or its caller gave up), its talker request too."""
+        answer = self.answers.pop(request_id, None)
+        if answer is not None and answer.talker_started:
+            self.talker.abort_requests([request_id])
+        self.streams.pop(request_id, None)
+
+    def _append(self, answer: SpokenAnswer, start: int, rows: torch.Tensor) -> None:
+        if start != answer.rows.num_rows - (start >= answer.num_prompt_tokens):
+            raise ValueError(f"rows of {answer.request_id} from position {start}; "
+                             f"{answer.rows.num_rows} positions have arrived")
+        prompt = answer.num_prompt_tokens
+        if start < prompt <= start + rows.shape[0]:
+            # The speaker's text-bos row sits between the prompt's rows and the reply's.
+            cut = prompt - start
+            answer.rows.append(rows[:cut])
+            answer.rows.append(self.spec.text_bos[answer.speaker].to(rows.dtype).unsqueeze(0))
+            rows = rows[cut:]
+        if rows.shape[0]:
+            answer.rows.append(rows)
+
+    def _start_or_feed(self, answer: SpokenAnswer) -> None:
+        known = answer.rows.known_positions
+        if not answer.talker_started:
+            prompt = answer.num_prompt_tokens + 2
+            if (known is not None and known < prompt) or (self.handoff == "whole" and not answer.thinker_done):
+                return
+            self.streams[answer.request_id] = answer.rows
+            request = Request(answer.request_id, self.spec.prompt_token_ids(answer.num_prompt_tokens),
+                              answer.params, input_limit=known)
+            self.talker.add_request(request)
+            answer.talker_started = True
+        else:
+            self.talker.scheduler.set_input_limit(answer.request_id, known)
+
+    def step(self) -> list[SpeechUpdate]:
+        """One talker step: each answer's new codes; a finished answer leaves the stage, its
+        codes without the end code (`waveform` makes its audio) or its error set."""
+        updates = []
+        for out in self.talker.step():
+            answer = self.answers.get(out.request_id)
+            if answer is None:
+                continue
+            answer.codes.extend(out.new_token_ids)
+            if out.finished:
+                codes = answer.codes
+                while codes and codes[-1] in self.spec.stop_token_ids:
+                    codes.pop()
+                if out.error is not None:
+                    answer.error = out.error
+                self.streams.pop(answer.request_id, None)
+                self.answers.pop(answer.request_id)
+            updates.append(SpeechUpdate(answer, list(out.new_token_ids), out.finished))
+        return updates
+
+    def waveform(self, answer: SpokenAnswer) -> torch.Tensor:
+        """A finished answer's whole waveform (empty if it ended before its first code), its
+        codec noise drawn after its seed when it has one."""
+        if not answer.codes:
+            return torch.zeros(0)
+        return self.codec.waveform(answer.codes, self.spec.speakers[answer.speaker], answer.params.seed)

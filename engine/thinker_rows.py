@@ -1,0 +1,95 @@
+"""The thinker's side of the talker hand-off: which rows of which answers are ready after a step.
+
+An omni thinker's runner writes every forwarded position's talker row into the hidden-state
+store (workers/model_runner.py). After each thinker step, `ThinkerRowsFeed.after_step` reads
+the rows of the positions each spoken answer has forwarded since the last step and returns
+them as `RowsChunk`s, in order, ending each answer with a chunk that says how its text ended.
+The offline API appends the chunks to the talker's streams in the same process
+(engine/omni_speech.py); the decoder process sends them to the talker process as frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RowsChunk:
+    """Rows of one answer for thinker positions `start`.. (`rows` may be empty); `ended`: the
+    answer's text is over (every row it will have is in this chunk or an earlier one);
+    `error`: its text failed or was aborted, so it must not be spoken."""
+
+    request_id: str
+    start: int
+    rows: torch.Tensor | None
+    ended: bool = False
+    error: str | None = None
+
+
+def talker_prompt_positions(adapter, num_prompt_tokens: int, placeholders) -> tuple[np.ndarray | None, int]:
+    """The talker's M-RoPE prompt positions (the thinker's prompt, then its text-bos and first
+    reply position) and the delta of later ones; (None, 0) for a text prompt (text positions)."""
+    if not placeholders:
+        return None, 0
+    return adapter.prompt_positions(num_prompt_tokens + 2, placeholders)
+
+
+class ThinkerRowsFeed:
+    def __init__(self, runner) -> None:
+        self.runner = runner  # a ModelRunner with a hidden-state store
+        # Answers being fed: thinker positions already handed over.
+        self.sent: dict[str, int] = {}
+        # ... and their prompt's tokens plus the tokens sampled so far.
+        self.num_tokens: dict[str, int] = {}
+
+    def add(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.sent[request_id] = 0
+        self.num_tokens[request_id] = num_prompt_tokens
+
+    def drop(self, request_id: str) -> None:
+        self.sent.pop(request_id, None)
+        self.num_tokens.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.sent
+
+    def after_step(self, outputs) -> list[RowsChunk]:
+        """The rows of the positions the thinker just forwarded, per answer fed; an answer that
+        ended (finished, failed, aborted) gets its last chunk and is forgotten. `outputs`: the
+        step's outputs (anything with request_id, new_token_ids, finish_reason, error)."""
+        chunks = []
+        for out in outputs:
+            sent = self.sent.get(out.request_id)
+            if sent is None:
+                continue
+            if out.finish_reason in ("error", "abort"):
+                self.drop(out.request_id)
+                chunks.append(RowsChunk(out.request_id, sent, None, ended=True,
+                                        error=out.error or "the answer's text was aborted"))
+                continue
+            self.num_tokens[out.request_id] += len(out.new_token_ids)
+            # Every token but the last sampled one has been forwarded.
+            forwarded = self.num_tokens[out.request_id] - 1
+            rows = None
+            if forwarded > sent:
+                rows = self.runner.talker_rows(out.request_id, sent, forwarded)
+                if rows is None:
+                    # A hit whose rows are not written yet; the next step has them (a finished
+                    # request's own forward wrote all of its rows, so this is never its last).
+                    continue
+                self.sent[out.request_id] = forwarded
+            if out.finished:
+                self.drop(out.request_id)
+            if rows is not None or out.finished:
+                chunks.append(RowsChunk(out.request_id, sent, rows, ended=out.finished))
+        return chunks
+
+    def end(self, request_id: str) -> RowsChunk | None:
+        """The last chunk of an answer whose text was cut short (a stop string, a client that
+        stopped reading): it is spoken up to the rows already handed over."""
+        sent = self.sent.get(request_id)
+        self.drop(request_id)
+        return None if sent is None else RowsChunk(request_id, sent, None, ended=True)

@@ -1,0 +1,225 @@
+"""The talker process of an omni model: the model's own talker and codec speak its answers.
+
+With an omni model and voice on, the talker process runs this worker instead of a Piper voice.
+The decoder announces each spoken answer (StartSpeaking) and sends the thinker's rows as it
+makes them (ThinkerRows, one raw frame each); the talker stage (engine/talker_stage.py) runs
+the talker as an engine core of its own, batching every answer being spoken, and the codec
+turns each answer's codes into audio, sent to the frontend as 16-bit PCM at the rate the
+client asked for (SpeechAudio, on the speech socket). The frontend's CancelSpeech (barge-in,
+a client gone) drops an answer wherever it is: rows still on their way are ignored.
+
+One talker step per loop turn; between steps the loop takes every message that arrived, so a
+cancel takes effect before the next step. A talker that waits only for rows sleeps on its
+sockets instead of spinning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import protocol
+from engine.array_frames import tensor_from_frame
+from engine.audio_formats import to_pcm16
+from engine.config import EngineConfig
+from workers.worker_loop import WorkerLoop
+
+logger = logging.getLogger("antiphon.talker")
+
+# Answers ended here (finished, failed, cancelled) whose rows may still be on their way: rows
+# for them are dropped. Bounded: the oldest are forgotten.
+CLOSED_REMEMBERED = 4096
+# A decode taking longer than this is a hung codec: its beats stop and the watchdog acts.
+CODEC_LIMIT_S = 300.0
+
+
+@dataclass
+class Listener:
+    """Where an answer's audio goes: its id at the frontend and the client's sample rate."""
+
+    speech_id: str
+    sample_rate: int
+    resampler: object = None
+
+
+class OmniTalkerWorker:
+    def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
+        self.config = config
+        self.loop = WorkerLoop("talker", addresses.input, addresses.output, protocol.decode_talker_input,
+                               handle=self._handle, work=self._step, busy=self._can_step)
+        self.outputs = self.loop.outputs
+        self.loop.bind_pull(addresses.thinker_rows, self._take_rows)
+        self.speech = self.loop.connect_push(addresses.speech)
+        self.stage = None
+        self.listeners: dict[str, Listener] = {}
+        self.closed: OrderedDict[str, None] = OrderedDict()
+        self._codec = ThreadPoolExecutor(1, thread_name_prefix="codec")
+
+    def load(self) -> None:
+        from transformers import AutoConfig
+
+        from engine.adapters.qwen2_5_omni_talker import TalkerSpec
+        from engine.checkpoint import resolve_model_path
+        from engine.talker_stage import TalkerStage
+        from workers.model_loader import resolve_device, resolve_dtype
+
+        started = time.perf_counter()
+        path = resolve_model_path(self.config.model)
+        device = resolve_device(self.config.device)
+        dtype = resolve_dtype(self.config.dtype, AutoConfig.from_pretrained(path), device)
+        spec = TalkerSpec.from_checkpoint(path)
+        # Its own pool, sized by the default rule for its (small) blocks; no prefix caching:
+        # its prompt tokens are all the codec's mask code, whatever was said.
+        talker_config = dataclasses.replace(
+            self.config, enable_prefix_caching=False, async_scheduling=False, encoder_cache_size=0,
+            num_kv_blocks=None, kv_cache_memory_gib=None, max_model_len=None, omni_speech=False)
+        self.stage = TalkerStage(spec, talker_config, device, dtype, rows_dtype=dtype)
+        logger.info("talker and codec of %s loaded in %.2f s; voices %s", path.name, time.perf_counter() - started,
+                    ", ".join(sorted(spec.speakers)))
+        self.loop.ready(voices=sorted(spec.speakers))
+
+    def run(self) -> None:
+        self.loop.run()
+
+    def close(self) -> None:
+        self._codec.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def _handle(self, message, frames) -> None:
+        """The frontend's inputs (and the decoder's, which arrive on their own socket)."""
+        if isinstance(message, protocol.CancelSpeech):
+            for speech_id in message.request_ids:
+                self.stage.drop(speech_id)
+                self.listeners.pop(speech_id, None)
+                self._close(speech_id)
+        elif isinstance(message, protocol.StartSpeaking):
+            self._start(message, frames)
+        elif isinstance(message, protocol.ThinkerRows):
+            self._rows(message, frames)
+        # SpeakText: an omni model speaks its own thinker's rows, not text it is sent.
+
+    def _take_rows(self, frames) -> None:
+        try:
+            message = protocol.decode_talker_input(frames[0].bytes)
+        except Exception as exc:  # noqa: BLE001 - a bad message is skipped, never fatal
+            logger.error("skipped an undecodable message from the decoder: %s", exc)
+            return
+        self._handle(message, frames[1:])
+
+    def _start(self, message: protocol.StartSpeaking, frames) -> None:
+        speech = message.speech
+        if speech.speech_id in self.closed or speech.speech_id in self.listeners:
+            return
+        try:
+            positions = None
+            if message.has_positions:
+                positions = np.frombuffer(frames[0], dtype=np.int64).reshape(3, message.num_prompt_tokens + 2).copy()
+            params = self.stage.default_params(self.config.max_spoken_codes, speech.seed)
+            self.stage.check(speech.voice, message.num_prompt_tokens, params)
+            self.stage.add(speech.speech_id, message.num_prompt_tokens, speech.voice, params, positions,
+                           message.mrope_delta)
+        except (ValueError, IndexError) as exc:
+            self._fail(Listener(speech.speech_id, speech.sample_rate), f"the answer cannot be spoken: {exc}")
+            return
+        self.listeners[speech.speech_id] = Listener(speech.speech_id, speech.sample_rate)
+
+    def _rows(self, message: protocol.ThinkerRows, frames) -> None:
+        listener = self.listeners.get(message.speech_id)
+        if listener is None:
+            return  # cancelled, failed, or announced to a talker that has since restarted
+        try:
+            rows = tensor_from_frame(message, frames[0]) if message.shape else None
+            if rows is not None and rows.ndim != 2:
+                raise ValueError(f"rows of shape {list(rows.shape)}")
+            dropped = self.stage.receive(message.speech_id, message.start, rows, message.ended, message.error)
+        except (ValueError, RuntimeError, IndexError) as exc:
+            self.stage.drop(message.speech_id)
+            self._fail(listener, f"the thinker's rows do not fit: {exc}")
+            return
+        if dropped is not None:  # its text failed: nothing to say
+            self._fail(listener, dropped.error)
+
+    # ---- work -----------------------------------------------------------------------------
+
+    def _can_step(self) -> bool:
+        """Whether a step would do something: not while every answer waits for rows."""
+        talker = self.stage.talker
+        return talker.has_unfinished_requests and not talker.last_step_was_empty
+
+    def _step(self) -> None:
+        talker = self.stage.talker
+        if not talker.has_unfinished_requests:
+            return
+        for update in self.stage.step():
+            listener = self.listeners.get(update.answer.request_id)
+            if listener is None or not update.finished:
+                continue
+            answer = update.answer
+            if answer.error is not None:
+                self._fail(listener, f"the talker failed: {answer.error}")
+                continue
+            try:
+                waveform = self._beating_while(self.stage.waveform, answer).numpy()
+            except Exception as exc:  # noqa: BLE001 - one answer's codec failure fails that answer only
+                logger.exception("the codec failed for %s", listener.speech_id)
+                self._fail(listener, f"the codec failed: {exc}")
+                continue
+            if waveform.size:
+                self._send(listener, self._pcm(listener, waveform, last=True))
+            self._send(listener, b"", final=True)
+
+    def _beating_while(self, work, *args):
+        """`work` on the codec thread while this one keeps beating: a long answer's decode on a
+        busy CPU is work, not a hang. Past CODEC_LIMIT_S the beats stop, so a decode that truly
+        hangs is still caught by the frontend's watchdog."""
+        future = self._codec.submit(work, *args)
+        started = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
+            except FutureTimeout:
+                if time.monotonic() - started < CODEC_LIMIT_S:
+                    self.loop.beat()
+
+    def _pcm(self, listener: Listener, audio: np.ndarray, last: bool) -> bytes:
+        rate = self.stage.spec.sample_rate
+        if listener.sample_rate != rate:
+            import soxr
+
+            # One stream per answer: its filter state carries over chunk boundaries.
+            if listener.resampler is None:
+                listener.resampler = soxr.ResampleStream(rate, listener.sample_rate, 1, dtype="float32")
+            audio = listener.resampler.resample_chunk(audio.astype(np.float32), last=last)
+        return to_pcm16(audio).astype("<i2").tobytes()
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _send(self, listener: Listener, pcm: bytes, final: bool = False, error: str | None = None) -> None:
+        header = protocol.encode(protocol.SpeechAudio(request_id=listener.speech_id, sample_rate=listener.sample_rate,
+                                                      final=final, error=error))
+        if pcm:
+            self.speech.send_multipart([header, pcm], copy=False)
+        else:
+            self.speech.send(header)
+        if final:
+            self.listeners.pop(listener.speech_id, None)
+            self._close(listener.speech_id)
+
+    def _fail(self, listener: Listener, reason: str) -> None:
+        logger.warning("answer %s not spoken: %s", listener.speech_id, reason)
+        self._send(listener, b"", final=True, error=reason)
+
+    def _close(self, speech_id: str) -> None:
+        self.closed[speech_id] = None
+        while len(self.closed) > CLOSED_REMEMBERED:
+            self.closed.popitem(last=False)

@@ -1,0 +1,93 @@
+"""The decoder's side of an omni model's spoken answers: the thinker's rows, sent to the talker.
+
+For every request that carries SpeechOptions, the decoder tells the talker process about the
+answer when it is added (StartSpeaking) and, after each step, sends the rows of the positions
+it forwarded (ThinkerRows: a msgpack header and the rows as one raw frame, never pickled),
+ending with a message that says how the text ended. Rows are read from the hidden-state store
+(engine/thinker_rows.py), so a prefix hit's rows cost no recomputation.
+
+Never blocks the decoder: the socket does not queue for a talker that is not connected
+(ZMQ_IMMEDIATE) and sends do not wait. A message that cannot go out (the talker is gone or
+far behind) ends that answer's speech here; the frontend fails it when it hears the talker is
+lost, and the thinker's text goes on either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import zmq
+
+from engine import protocol
+from engine.array_frames import tensor_bytes
+from engine.thinker_rows import RowsChunk, ThinkerRowsFeed, talker_prompt_positions
+
+logger = logging.getLogger("antiphon.decoder")
+
+# Messages queued for a slow talker before sends fail: rows of a few thousand tokens.
+SEND_HIGH_WATER_MARK = 4096
+
+
+class ThinkerRowsSender:
+    def __init__(self, context: zmq.Context, address: str, runner, adapter) -> None:
+        self.socket = context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        self.socket.connect(address)
+        self.feed = ThinkerRowsFeed(runner)
+        self.adapter = adapter
+        # Thinker request id -> the talker's id of its answer.
+        self.speech_ids: dict[str, str] = {}
+
+    def add(self, request_id: str, message: protocol.EngineRequest) -> None:
+        """Announce a spoken answer whose request the engine has just taken."""
+        positions, delta = talker_prompt_positions(self.adapter, len(message.prompt_token_ids),
+                                                   message.mm_placeholders)
+        header = protocol.StartSpeaking(speech=message.speech, num_prompt_tokens=len(message.prompt_token_ids),
+                                        has_positions=positions is not None, mrope_delta=delta)
+        frames = [] if positions is None else [memoryview(np.ascontiguousarray(positions, dtype=np.int64)).cast("B")]
+        self.speech_ids[request_id] = message.speech.speech_id
+        self.feed.add(request_id, len(message.prompt_token_ids))
+        if not self._send(header, frames):
+            self._forget(request_id)
+
+    def after_step(self, outputs) -> None:
+        for chunk in self.feed.after_step(outputs):
+            self._send_chunk(chunk)
+
+    def aborted(self, request_ids: list[str]) -> None:
+        """The frontend ended these requests (a stop string, a client gone): what was handed
+        over is spoken (the frontend cancels the speech itself when nobody listens)."""
+        for request_id in request_ids:
+            chunk = self.feed.end(request_id)
+            if chunk is not None:
+                self._send_chunk(chunk)
+
+    def _send_chunk(self, chunk: RowsChunk) -> None:
+        speech_id = self.speech_ids.get(chunk.request_id)
+        if speech_id is None:
+            return
+        header = protocol.ThinkerRows(speech_id=speech_id, start=chunk.start, ended=chunk.ended, error=chunk.error)
+        frames = []
+        if chunk.rows is not None:
+            header.dtype, header.shape, frame = tensor_bytes(chunk.rows)
+            frames.append(frame)
+        if not self._send(header, frames) or chunk.ended:
+            self._forget(chunk.request_id)
+
+    def _send(self, header, frames: list) -> bool:
+        try:
+            self.socket.send_multipart([protocol.encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            logger.warning("the talker takes no rows (gone or far behind): %s is not spoken",
+                           getattr(header, "speech_id", None) or header.speech.speech_id)
+            return False
+
+    def _forget(self, request_id: str) -> None:
+        self.feed.drop(request_id)
+        self.speech_ids.pop(request_id, None)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
