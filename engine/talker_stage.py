@@ -177,16 +177,18 @@ class TalkerStage:
             answer = self.answers.get(out.request_id)
             if answer is None:
                 continue
-            answer.codes.extend(out.new_token_ids)
+            new_codes = list(out.new_token_ids)
             if out.finished:
-                codes = answer.codes
-                while codes and codes[-1] in self.spec.stop_token_ids:
-                    codes.pop()
+                # The end code is not speech.
+                while new_codes and new_codes[-1] in self.spec.stop_token_ids:
+                    new_codes.pop()
+            answer.codes.extend(new_codes)
+            if out.finished:
                 if out.error is not None:
                     answer.error = out.error
                 self.streams.pop(answer.request_id, None)
                 self.answers.pop(answer.request_id)
-            updates.append(SpeechUpdate(answer, list(out.new_token_ids), out.finished))
+            updates.append(SpeechUpdate(answer, new_codes, out.finished))
         return updates
 
     def waveform(self, answer: SpokenAnswer) -> torch.Tensor:

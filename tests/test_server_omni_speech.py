@@ -2,9 +2,10 @@
 
 With voice on, a tiny Qwen2.5-Omni server runs the model's talker and codec in the talker
 process, fed the thinker's rows by the decoder over ZeroMQ. A chat completion with
-`modalities ["text", "audio"]` gets the answer's text, its transcript and its audio; with a
-seed, the audio equals the offline LLM's for the same request (talker sampling and codec noise
-both drawn after the seed), and Realtime's equals HTTP's. Voices are the model's speakers; an
+`modalities ["text", "audio"]` gets the answer's text, its transcript and its audio, streamed
+by the codec in chunks; with a seed, its codes are the offline LLM's for the same request (the
+talker's sampling drawn after the seed) and its audio is theirs decoded by the same stream (the
+codec's noise drawn after the seed too), and Realtime's audio equals HTTP's. Voices are the model's speakers; an
 unknown one is refused. A talker killed mid-answer fails the answers it was speaking, text
 answers go on, and it comes back.
 """
@@ -51,8 +52,9 @@ def server(omni, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline_answer(omni):
-    """The same request, offline: text tokens, and the waveform as 16-bit PCM."""
+    """The same request, offline: its text and codes, and those codes streamed through the codec."""
     from engine import LLM, SamplingParams
+    from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
     from engine.talker_stage import DEFAULT_TALKER_PARAMS
 
     llm = LLM(str(omni), quantization="none", omni_speech=True)
@@ -60,10 +62,15 @@ def offline_answer(omni):
                     SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=SEED),
                     voice="Chelsie", talker_params=msgspec.structs.replace(DEFAULT_TALKER_PARAMS, seed=SEED,
                                                                            max_tokens=MAX_CODES))
+    assert len(out.codec_token_ids) == MAX_CODES
+    stage = llm._speech.stage
+    stream = CodecStream(stage.codec, stage.spec.speakers["Chelsie"], seed=SEED)
+    out.audio = np.concatenate([*(chunk.numpy() for chunk in stream.feed(out.codec_token_ids)),
+                                stream.finish().numpy()])
     return out
 
 
-def test_a_spoken_chat_answer_equals_the_offline_llm(server, offline_answer):
+def test_a_spoken_chat_answer_is_the_offline_llms_streamed(server, offline_answer):
     from engine.audio_formats import to_pcm16
 
     status, answer = post_json(server.url + "/v1/chat/completions", spoken_body())
@@ -103,8 +110,11 @@ async def test_realtime_speaks_as_http_does(server):
                                               output_modalities=["audio"])
         assert session["audio"]["output"]["voice"] == "Chelsie"  # the model's first speaker
         response = await client.create_response([{"role": "user", "content": QUESTION}])
-        audio = b"".join([chunk async for chunk in response.audio_chunks()])
+        chunks = [chunk async for chunk in response.audio_chunks()]
         await response.wait()
+    # Streamed: the tiny codec's stream yields a chunk at 16 and at 32 codes, the rest at the end.
+    assert len(chunks) == 3
+    audio = b"".join(chunks)
     assert response.status == "incomplete"  # max_output_tokens
     assert response.text == plain["choices"][0]["message"]["audio"]["transcript"]
     assert audio == base64.b64decode(plain["choices"][0]["message"]["audio"]["data"])
@@ -148,3 +158,19 @@ def test_a_killed_talker_fails_its_answers_and_comes_back(server):
     status, answer = post_json(server.url + "/v1/chat/completions", spoken_body())
     assert status == 200, answer
     assert answer["choices"][0]["message"]["audio"]["data"]
+
+
+async def test_a_cancelled_spoken_response_stops_and_the_next_one_speaks(server):
+    from frontend.client import RealtimeClient
+
+    async with RealtimeClient(server.ws_url) as client:
+        await client.update_session(temperature=0, max_output_tokens=200, seed=SEED, output_modalities=["audio"])
+        response = await client.create_response([{"role": "user", "content": QUESTION}])
+        await response.cancel()  # as soon as it is created: its speech is surely in flight
+        await response.wait()
+        assert response.status == "cancelled"
+        await client.update_session(max_output_tokens=MAX_TOKENS)
+        again = await client.create_response([{"role": "user", "content": QUESTION}])
+        audio = b"".join([chunk async for chunk in again.audio_chunks()])
+        await again.wait()
+    assert again.status == "incomplete" and audio

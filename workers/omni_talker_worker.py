@@ -4,8 +4,9 @@ With an omni model and voice on, the talker process runs this worker instead of 
 The decoder announces each spoken answer (StartSpeaking) and sends the thinker's rows as it
 makes them (ThinkerRows, one raw frame each); the talker stage (engine/talker_stage.py) runs
 the talker as an engine core of its own, batching every answer being spoken, and the codec
-turns each answer's codes into audio, sent to the frontend as 16-bit PCM at the rate the
-client asked for (SpeechAudio, on the speech socket). The frontend's CancelSpeech (barge-in,
+turns each answer's codes into audio as they come (engine/adapters/qwen2_5_omni_codec_stream.py:
+a small first chunk, then steady chunks with their context), sent to the frontend as 16-bit PCM
+at the rate the client asked for (SpeechAudio, on the speech socket). The frontend's CancelSpeech (barge-in,
 a client gone) drops an answer wherever it is: rows still on their way are ignored.
 
 One talker step per loop turn; between steps the loop takes every message that arrived, so a
@@ -48,6 +49,7 @@ class Listener:
     speech_id: str
     sample_rate: int
     resampler: object = None
+    codec: object = None  # its CodecStream, from its first codes on
 
 
 class OmniTalkerWorker:
@@ -162,21 +164,42 @@ class OmniTalkerWorker:
             return
         for update in self.stage.step():
             listener = self.listeners.get(update.answer.request_id)
-            if listener is None or not update.finished:
+            if listener is None:
                 continue
             answer = update.answer
             if answer.error is not None:
                 self._fail(listener, f"the talker failed: {answer.error}")
                 continue
             try:
-                waveform = self._beating_while(self.stage.waveform, answer).numpy()
+                chunks = self._beating_while(self._decode, listener, answer, update.new_codes, update.finished)
             except Exception as exc:  # noqa: BLE001 - one answer's codec failure fails that answer only
                 logger.exception("the codec failed for %s", listener.speech_id)
                 self._fail(listener, f"the codec failed: {exc}")
                 continue
-            if waveform.size:
-                self._send(listener, self._pcm(listener, waveform, last=True))
-            self._send(listener, b"", final=True)
+            for index, chunk in enumerate(chunks):
+                last = update.finished and index == len(chunks) - 1
+                if not chunk.numel() and not last:
+                    continue
+                # The last one, even empty, flushes the resampler's tail.
+                pcm = self._pcm(listener, chunk.numpy(), last)
+                if pcm:
+                    self._send(listener, pcm)
+            if update.finished:
+                self._send(listener, b"", final=True)
+
+    def _decode(self, listener: Listener, answer, new_codes: list[int], finished: bool) -> list:
+        """The waveform chunks the answer's new codes complete (the rest too once it is finished)."""
+        from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
+
+        if listener.codec is None:
+            if not new_codes and finished:
+                return []
+            listener.codec = CodecStream(self.stage.codec, self.stage.spec.speakers[answer.speaker],
+                                         seed=answer.params.seed)
+        chunks = listener.codec.feed(new_codes) if new_codes else []
+        if finished:
+            chunks.append(listener.codec.finish())
+        return chunks
 
     def _beating_while(self, work, *args):
         """`work` on the codec thread while this one keeps beating: a long answer's decode on a
