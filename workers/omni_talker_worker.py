@@ -20,9 +20,7 @@ import argparse
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,13 +29,11 @@ from engine import protocol
 from engine.array_frames import tensor_from_frame
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
+from workers.ended_answers import EndedAnswers
 from workers.worker_loop import WorkerLoop
 
 logger = logging.getLogger("antiphon.talker")
 
-# Answers ended here (finished, failed, cancelled) whose rows may still be on their way: rows
-# for them are dropped. Bounded: the oldest are forgotten.
-CLOSED_REMEMBERED = 4096
 # A decode taking longer than this is a hung codec: its beats stop and the watchdog acts.
 CODEC_LIMIT_S = 300.0
 
@@ -62,7 +58,7 @@ class OmniTalkerWorker:
         self.speech = self.loop.connect_push(addresses.speech)
         self.stage = None
         self.listeners: dict[str, Listener] = {}
-        self.closed: OrderedDict[str, None] = OrderedDict()
+        self.closed = EndedAnswers()  # rows still on their way for these are dropped
         self._codec = ThreadPoolExecutor(1, thread_name_prefix="codec")
 
     def load(self) -> None:
@@ -171,7 +167,8 @@ class OmniTalkerWorker:
                 self._fail(listener, f"the talker failed: {answer.error}")
                 continue
             try:
-                chunks = self._beating_while(self._decode, listener, answer, update.new_codes, update.finished)
+                chunks = self.loop.beating_while(self._codec, CODEC_LIMIT_S, self._decode, listener, answer,
+                                                 update.new_codes, update.finished)
             except Exception as exc:  # noqa: BLE001 - one answer's codec failure fails that answer only
                 logger.exception("the codec failed for %s", listener.speech_id)
                 self._fail(listener, f"the codec failed: {exc}")
@@ -200,19 +197,6 @@ class OmniTalkerWorker:
         if finished:
             chunks.append(listener.codec.finish())
         return chunks
-
-    def _beating_while(self, work, *args):
-        """`work` on the codec thread while this one keeps beating: a long answer's decode on a
-        busy CPU is work, not a hang. Past CODEC_LIMIT_S the beats stop, so a decode that truly
-        hangs is still caught by the frontend's watchdog."""
-        future = self._codec.submit(work, *args)
-        started = time.monotonic()
-        while True:
-            try:
-                return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
-            except FutureTimeout:
-                if time.monotonic() - started < CODEC_LIMIT_S:
-                    self.loop.beat()
 
     def _pcm(self, listener: Listener, audio: np.ndarray, last: bool) -> bytes:
         rate = self.stage.spec.sample_rate
@@ -243,6 +227,4 @@ class OmniTalkerWorker:
         self._send(listener, b"", final=True, error=reason)
 
     def _close(self, speech_id: str) -> None:
-        self.closed[speech_id] = None
-        while len(self.closed) > CLOSED_REMEMBERED:
-            self.closed.popitem(last=False)
+        self.closed.add(speech_id)

@@ -25,7 +25,6 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +33,7 @@ import soxr
 from engine import protocol
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
+from workers.ended_answers import EndedAnswers
 from workers.worker_loop import WorkerLoop, worker_main
 
 logger = logging.getLogger("antiphon.talker")
@@ -66,7 +66,7 @@ class TalkerWorker:
         self.voice = None
         # Answers being spoken, in arrival order: the round robin walks it.
         self.answers: OrderedDict[str, SpokenAnswer] = OrderedDict()
-        self.closed: OrderedDict[str, None] = OrderedDict()
+        self.closed = EndedAnswers(CLOSED_REMEMBERED)
         # Synthesis runs here, so that the loop's thread can beat while a clause is made.
         self._synthesis = ThreadPoolExecutor(1, thread_name_prefix="synthesis")
 
@@ -121,7 +121,8 @@ class TalkerWorker:
         self.answers.move_to_end(request_id)  # round robin: the others go first next time
         clause = answer.clauses.pop(0)
         try:
-            audio = self._beating_while(self.voice.synthesize, clause, speed=answer.speed)
+            audio = self.loop.beating_while(self._synthesis, SYNTHESIS_LIMIT_S, self.voice.synthesize, clause,
+                                            speed=answer.speed)
             pcm = self._to_client_rate(answer, audio)
         except Exception as exc:  # one bad clause fails its answer, never the talker
             logger.exception("synthesis failed for %s", request_id)
@@ -133,19 +134,6 @@ class TalkerWorker:
         self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, text=clause), pcm)
         if answer.text_complete and not answer.clauses:
             self._finish(request_id)
-
-    def _beating_while(self, work, *args, **kwargs):
-        """`work` on the synthesis thread while this one keeps beating: a long clause on a busy
-        CPU is work, not a hang, and the frontend's watchdog must not kill it. Past
-        SYNTHESIS_LIMIT_S the beats stop, so a synthesis that truly hangs is still caught."""
-        future = self._synthesis.submit(work, *args, **kwargs)
-        started = time.monotonic()
-        while True:
-            try:
-                return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
-            except FutureTimeout:
-                if time.monotonic() - started < SYNTHESIS_LIMIT_S:
-                    self.loop.beat()
 
     def _to_client_rate(self, answer: SpokenAnswer, audio: np.ndarray) -> bytes:
         if answer.sample_rate != self.voice.sample_rate:
@@ -168,9 +156,7 @@ class TalkerWorker:
         self._send(protocol.SpeechAudio(request_id=request_id, sample_rate=answer.sample_rate, final=True), tail)
 
     def _close(self, request_id: str) -> None:
-        self.closed[request_id] = None
-        while len(self.closed) > CLOSED_REMEMBERED:
-            self.closed.popitem(last=False)
+        self.closed.add(request_id)
 
     def _send(self, message: protocol.SpeechAudio, pcm: bytes | None = None) -> None:
         header = protocol.encode(message)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 import msgspec
@@ -128,6 +129,19 @@ class WorkerLoop:
         self.send(protocol.Heartbeat(worker=self.name, pid=os.getpid()))
         self._on_beat()
         self._last_beat = time.monotonic()
+
+    def beating_while(self, executor, limit_s: float, work, *args, **kwargs):
+        """`work` on `executor`'s thread while this loop's thread keeps beating: a long piece of
+        work on a busy CPU is work, not a hang, and the frontend's watchdog must not kill it.
+        Past `limit_s` the beats stop, so work that truly hangs is still caught."""
+        future = executor.submit(work, *args, **kwargs)
+        started = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=protocol.HEARTBEAT_INTERVAL_S)
+            except FutureTimeout:
+                if time.monotonic() - started < limit_s:
+                    self.beat()
 
     def beat_if_due(self) -> None:
         if time.monotonic() - self._last_beat >= protocol.HEARTBEAT_INTERVAL_S:
