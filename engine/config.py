@@ -82,11 +82,13 @@ class EngineConfig:
     encoder_cache_gib: float = 1.0
     # An omni model's spoken answers (offline: LLM.generate(voice=...)): the thinker keeps the
     # rows its talker consumes in a hidden-state store (engine/hidden_state_store.py: one row of
-    # the thinker's width per KV slot, in host memory, at most hidden_state_store_gib; a KV pool
-    # that needs more is refused at start). Off, an omni model serves text and costs nothing more.
+    # the thinker's width per KV slot, in host memory: about an eighth of the KV pool's bytes for
+    # Qwen2.5-Omni-7B). hidden_state_store_gib bounds it (None: what the pool needs; a pool that
+    # needs more than the bound is refused at start). Off, an omni model serves text and costs
+    # nothing more.
     # The server turns it on for an omni model with voice on (its talker process speaks).
     omni_speech: bool = False
-    hidden_state_store_gib: float = 4.0
+    hidden_state_store_gib: float | None = None
     # The most codec tokens one spoken answer may take (at 50 a second: 82 s of speech), so a
     # talker that never says its end code stops.
     max_spoken_codes: int = 4096
@@ -133,7 +135,7 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if not self.encoder_cache_gib >= 0:
             raise ValueError(f"encoder_cache_gib must be >= 0, got {self.encoder_cache_gib}")
-        if not self.hidden_state_store_gib > 0:
+        if self.hidden_state_store_gib is not None and not self.hidden_state_store_gib > 0:
             raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
         if self.max_spoken_codes < 1:
             raise ValueError(f"max_spoken_codes must be >= 1, got {self.max_spoken_codes}")

@@ -117,8 +117,9 @@ class TalkerStage:
     def receive(self, request_id: str, start: int, rows: torch.Tensor | None, ended: bool = False,
                 error: str | None = None) -> SpokenAnswer | None:
         """Takes the answer's thinker rows from position `start` on (see RowsChunk). An answer
-        whose text failed is dropped (returned, with its error); rows of an unknown answer
-        (dropped, cancelled) are ignored."""
+        that is not to be spoken leaves the stage and is returned: its text failed (with its
+        error), or ended before its prompt's rows were all in (an abort before its first token:
+        nothing to say). Rows of an unknown answer (dropped, cancelled) are ignored."""
         answer = self.answers.get(request_id)
         if answer is None or answer.thinker_done:
             return None
@@ -128,6 +129,9 @@ class TalkerStage:
             return answer
         if rows is not None and rows.shape[0]:
             self._append(answer, start, rows)
+        if ended and answer.rows.num_rows <= answer.num_prompt_tokens:
+            self.drop(request_id)
+            return answer
         if ended:
             answer.thinker_done = True
             answer.rows.finish(self.spec.text_eos.to(self.rows_dtype))

@@ -76,10 +76,15 @@ class ThinkerRowsFeed:
             rows = None
             if forwarded > sent:
                 rows = self.runner.talker_rows(out.request_id, sent, forwarded)
-                if rows is None:
-                    # A hit whose rows are not written yet; the next step has them (a finished
-                    # request's own forward wrote all of its rows, so this is never its last).
+                if rows is None and out.finished:
+                    # Never expected (a finished request's own forward wrote all of its rows),
+                    # but an answer must end, not wait for rows that will never come.
+                    self.drop(out.request_id)
+                    chunks.append(RowsChunk(out.request_id, sent, None, ended=True,
+                                            error="the thinker's rows of the answer were never written"))
                     continue
+                if rows is None:
+                    continue  # a hit whose rows are not written yet: the next step has them
                 self.sent[out.request_id] = forwarded
             if out.finished:
                 self.drop(out.request_id)
@@ -89,7 +94,8 @@ class ThinkerRowsFeed:
 
     def end(self, request_id: str) -> RowsChunk | None:
         """The last chunk of an answer whose text was cut short (a stop string, a client that
-        stopped reading): it is spoken up to the rows already handed over."""
+        stopped reading): it is spoken up to the rows already handed over, which may run a step
+        or two past a stop string (the frontend finds it after the decoder has gone on)."""
         sent = self.sent.get(request_id)
         self.drop(request_id)
         return None if sent is None else RowsChunk(request_id, sent, None, ended=True)

@@ -41,6 +41,7 @@ DERIVED_DEFAULTS = {
     "encoder_cache_size": "the larger of a step's token budget and the largest image, plus one more image",
     "quantization": "auto, or $ANTIPHON_QUANTIZATION",
     "asr_model": "the packaged Whisper tiny.en",
+    "hidden_state_store_gib": "what the KV pool needs (no bound)",
     "tts_voice": "the packaged Piper joe voice",
     "api_keys": "$ANTIPHON_API_KEY, comma-separated, else none",
     "cache_salt_per_key": "per key with two or more keys, else shared",
@@ -174,8 +175,10 @@ def _add_engine_options(group) -> None:
                        help="serve text only: no speech recognition (encoder) nor synthesis (talker process); "
                             "audio events and endpoints answer unsupported_modality / 503")
     engine.add("asr_model", "a local Whisper folder for speech recognition")
-    engine.add("hidden_state_store_gib", "an omni model's spoken answers: host memory of the store of the "
-                                         "thinker's rows the talker reads (it mirrors the KV pool)")
+    engine.add("hidden_state_store_gib", "an omni model's spoken answers: the most host memory the store of the "
+                                         "thinker's rows for the talker may take (it mirrors the KV pool: about an "
+                                         "eighth of its bytes for Qwen2.5-Omni-7B); a pool that needs more is "
+                                         "refused at start")
     engine.add("max_spoken_codes", "an omni model's spoken answers: the most codec tokens one answer's speech "
                                    "may take (50 a second)")
     engine.add("tts_voice", "a Piper voice .onnx file, its .onnx.json beside it")

@@ -113,7 +113,10 @@ class ChatCompletions:
             if n > 1 or tools:
                 raise InvalidInput("a spoken answer is one choice without tools", "invalid_value",
                                    "n" if n > 1 else "tools")
-            if state.client.speaks_itself and state.client.voice_ready:  # else: 503 when it opens
+            if state.client.speaks_itself:
+                if not state.client.voice_ready:
+                    # Refused now: an answer planned without its speaker would never be spoken.
+                    raise EngineUnavailable(f"voice unavailable: {state.client.voice_status}")
                 try:
                     speaker = state.client.speaker(body.audio.voice)
                 except ValueError as exc:

@@ -84,9 +84,10 @@ class RealtimeSession:
         # spoken answers).
         self.requester = requester
         self.session = new_session(new_id("sess"), state.model_name)
-        if state.client.speaks_itself and state.client.voices:
-            # An omni model speaks as one of its speakers: the first is the session's voice.
-            self.session["audio"]["output"]["voice"] = state.client.voices[0]
+        # An omni model speaks as one of its speakers: the first is the session's voice until the
+        # client picks one (set again at the first spoken response if its talker was not ready).
+        self.voice_chosen = False
+        self._default_speaker()
         # The kept conversation, and the user's spoken turns that join it.
         self.history = Conversation(self.config.max_conversation_items, self.config.max_conversation_bytes,
                                     self.config.max_conversation_audio_seconds, self.config.max_audio_clips_per_request)
@@ -243,6 +244,7 @@ class RealtimeSession:
         candidate = {**self.session, **update, "audio": merged_audio_settings(self.session["audio"], event.session)}
         if candidate["audio"]["output"]["voice"] != self.session["audio"]["output"]["voice"]:
             self._check_speaker(candidate["audio"]["output"], "session.audio.output.voice")
+            self.voice_chosen = True
         sampling(candidate, {}, self.config.default_max_tokens)  # validates before anything changes
         await self._check_answer_settings(candidate, "session")
         grown = self.history.instructions_growth(self.session["instructions"], candidate["instructions"])
@@ -251,6 +253,11 @@ class RealtimeSession:
         self.session = candidate
         self.history.bytes += grown
         await self.send({"type": "session.updated", "session": self.session})
+
+    def _default_speaker(self) -> None:
+        client = self.state.client
+        if client.speaks_itself and client.voices and not self.voice_chosen:
+            self.session["audio"]["output"]["voice"] = client.voices[0]
 
     def _check_speaker(self, audio_out: dict, param: str) -> None:
         """An omni model's voices are its speakers: `audio_out`'s voice is set to the one it
@@ -327,6 +334,8 @@ class RealtimeSession:
             require_voice(self.state.engine_config, "response.output_modalities")
             if not self.state.client.voice_ready:
                 raise InvalidInput(f"voice is unavailable: {self.state.client.voice_status}", "voice_unavailable")
+        if speaking:
+            self._default_speaker()
         audio_out = merged_audio_settings(session["audio"], options)["output"] if speaking else None
         if speaking:
             self._check_speaker(audio_out, "response.audio.output.voice")
@@ -346,6 +355,11 @@ class RealtimeSession:
             params = msgspec.structs.replace(params, logprobs=0)
         tools = chat_tools(settings["tools"]) or None
         calls_tools = tools is not None and settings["tool_choice"] != "none"
+        if calls_tools and speaking and self.state.client.speaks_itself:
+            # Its talker speaks every token the thinker writes: a call's JSON would be heard.
+            raise InvalidInput("an omni model's spoken answer cannot call tools: ask for text "
+                               "(output_modalities [\"text\"]) or set tool_choice to none", "invalid_value",
+                               "response.tools")
         instructions = settings["instructions"]
         if not own_input:
             # The kept conversation costs the client nothing to send again: refuse one past the

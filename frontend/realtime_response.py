@@ -63,6 +63,8 @@ class Response:
         # A spoken answer: its text goes to the talker as it comes and out as the audio's
         # transcript; its audio is pumped to the client by a task of its own.
         self.speaking = audio_out is not None
+        self._speaks_itself = self.speaking and self.state.client.speaks_itself
+        self._spoken_upto = 0  # of self.text, attributed to audio sent (omni)
         if self.speaking:
             self.rate, self.speed = audio_out["format"]["rate"], audio_out["speed"]
         self.item = {"id": self._announce_id(), "object": "realtime.item", "type": "message", "role": "assistant",
@@ -89,8 +91,7 @@ class Response:
 
     async def run(self) -> None:
         self._open_speech()
-        speech = (self.state.client.speech_options(self.id, self.audio_out["voice"], self.rate, self.params.seed)
-                  if self.speaking and self.pump is not None else None)
+        speech = self._speech_options()
         stream = self.state.generation.stream(self.lease, self.prompt, self.params, self.session.cache_salt, speech)
         # Submit the engine request first and announce the response while the prefill runs:
         # the opening events are not on the way to the first token. Sending them does not
@@ -139,6 +140,18 @@ class Response:
         if speech is not None:
             self.pump = asyncio.create_task(self._pump_audio(speech, self.audio_out["format"]["type"]))
 
+    def _speech_options(self):
+        """What the engine request of an omni model's spoken answer carries (None otherwise); a
+        voice the talker no longer has is the response's error, as a talker that refuses."""
+        if not self.speaking or self.pump is None:
+            return None
+        try:
+            return self.state.client.speech_options(self.id, self.audio_out["voice"], self.rate, self.params.seed)
+        except ValueError as exc:
+            self.pump.cancel()
+            self.pump, self.error = None, ("server_error", "voice_unavailable", str(exc))
+            return None
+
     async def _announce(self) -> None:
         part = {"type": "output_audio", "transcript": ""} if self.speaking else {"type": "output_text", "text": ""}
         opening = [{"type": "response.created", "response": self.response},
@@ -164,7 +177,9 @@ class Response:
             if said:
                 self.text += said
                 if self.speaking:
-                    if self.pump.done():  # the talker failed: the answer cannot be spoken
+                    if self.pump.done() and (self.pump.result() is not None or not self._speaks_itself):
+                        # The talker failed: the answer cannot be spoken. (An omni model's
+                        # talker may end its speech before the text ends: the text goes on.)
                         raise _VoiceFailed(self.pump.result() or "speech ended early")
                     await send({"type": "response.output_audio_transcript.delta", **self.where, "delta": said})
                     await self._speak(said, False)
@@ -215,7 +230,12 @@ class Response:
             if pcm:
                 await self.session.send({"type": "response.output_audio.delta", **self.where,
                                          "delta": encode_client_audio(pcm, format_type)})
-                self.clauses.append((header.text, 1000 * len(pcm) / 2 / header.sample_rate))
+                text = header.text
+                if self._speaks_itself:
+                    # An omni talker's audio carries no text: it speaks what the thinker wrote
+                    # up to now (a little ahead of the audio: the talker lags the thinker).
+                    text, self._spoken_upto = self.text[self._spoken_upto:], len(self.text)
+                self.clauses.append((text, 1000 * len(pcm) / 2 / header.sample_rate))
             if header.final:
                 return None
 

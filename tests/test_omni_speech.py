@@ -101,3 +101,21 @@ def test_a_refused_answer_queues_nothing(tiny_omni):
         llm.generate(["one", "two"], SamplingParams(max_tokens=2), voice="Nobody")
     assert not llm.engine.has_unfinished_requests
     assert llm.generate("text alone still works", SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_rows_out_of_order_or_an_answer_ended_before_its_prompt_are_refused(tiny_omni):
+    # What the talker process does with the decoder's messages: a chunk that does not continue
+    # the stream is an error, never rows at the wrong positions; an answer whose text ended
+    # before its prompt's rows were all in (aborted before its first token) has nothing to say
+    # and leaves nothing behind.
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
+    llm.generate("warm", SamplingParams(max_tokens=1), voice="Chelsie")
+    stage = llm._speech.stage
+    width = llm._speech.spec.text_pad.shape[0]
+    stage.add("a", 6, "Chelsie", stage.default_params(8))
+    stage.receive("a", 0, torch.zeros(3, width))
+    with pytest.raises(ValueError, match="from position 4"):
+        stage.receive("a", 4, torch.zeros(2, width))
+    dropped = stage.receive("a", 3, torch.zeros(2, width), ended=True)
+    assert dropped is not None and dropped.error is None
+    assert not stage.answers and not stage.streams and stage.talker.stats().kv_blocks_used == 0

@@ -120,7 +120,7 @@ async def test_realtime_speaks_as_http_does(server):
     assert audio == base64.b64decode(plain["choices"][0]["message"]["audio"]["data"])
 
 
-async def test_an_unknown_realtime_voice_is_an_error_event(server):
+async def test_an_unknown_realtime_voice_or_a_spoken_tool_call_is_an_error_event(server):
     import websockets
 
     async with websockets.connect(server.ws_url) as ws:
@@ -134,6 +134,12 @@ async def test_an_unknown_realtime_voice_is_an_error_event(server):
             "type": "realtime", "audio": {"output": {"voice": "alloy"}}}}))
         error = await next_of("error")
         assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "session.audio.output.voice")
+        # Its talker would speak a call's JSON: a spoken answer that may call tools is refused.
+        tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "output_modalities": ["audio"], "tools": [tool], "input": []}}))
+        error = await next_of("error")
+        assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "response.tools"), error
 
 
 def test_a_killed_talker_fails_its_answers_and_comes_back(server):

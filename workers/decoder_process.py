@@ -163,8 +163,6 @@ class DecoderWorker:
         deltas = []
         gave_first_tokens = False
         outputs = self.core.step()
-        if self.rows_sender is not None:
-            self.rows_sender.after_step(outputs)
         for out in outputs:
             if out.new_token_ids and out.request_id in self._awaiting_first:
                 gave_first_tokens = True
@@ -176,6 +174,10 @@ class DecoderWorker:
             deltas.append(protocol.RequestDelta(out.request_id, out.new_token_ids, out.finish_reason,
                                                 out.stop_reason, out.num_cached_tokens, out.error, logprobs))
         self._send(deltas)
+        if self.rows_sender is not None:
+            # After the text: no text waits on speech. The store keeps the rows until the next
+            # step, which this loop has not scheduled yet.
+            self.rows_sender.after_step(outputs)
         return gave_first_tokens
 
     def _send(self, deltas: list) -> None:

@@ -110,8 +110,9 @@ class InProcessExecutor:
         spec = self.kv_cache_spec
         width = self.adapter.talker_row_width() if self.adapter is not None and self.config.omni_speech else None
         # An omni thinker's rows for its talker, in the KV pool's layout (seed 002).
+        limit = self.config.hidden_state_store_gib
         hidden_store = None if width is None else HiddenStateStore(
-            num_blocks, block_size, width, self.model_dtype, max_bytes=int(self.config.hidden_state_store_gib * 2**30))
+            num_blocks, block_size, width, self.model_dtype, max_bytes=None if limit is None else int(limit * 2**30))
         return ModelRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size, spec.num_kv_heads,
                                                     spec.head_dim, self.kv_cache_dtype), self.adapter, grammars,
                            hidden_store=hidden_store,

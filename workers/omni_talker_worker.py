@@ -34,8 +34,8 @@ from workers.worker_loop import WorkerLoop
 
 logger = logging.getLogger("antiphon.talker")
 
-# A decode taking longer than this is a hung codec: its beats stop and the watchdog acts.
-CODEC_LIMIT_S = 300.0
+# One chunk's decode taking longer than this is a hung codec: its beats stop and the watchdog acts.
+CODEC_LIMIT_S = 60.0
 
 
 @dataclass
@@ -54,7 +54,8 @@ class OmniTalkerWorker:
         self.loop = WorkerLoop("talker", addresses.input, addresses.output, protocol.decode_talker_input,
                                handle=self._handle, work=self._step, busy=self._can_step)
         self.outputs = self.loop.outputs
-        self.loop.bind_pull(addresses.thinker_rows, self._take_rows)
+        # Unbounded: the decoder never drops rows for a live talker (workers/thinker_rows_sender.py).
+        self.loop.bind_pull(addresses.thinker_rows, self._take_rows, unbounded=True)
         self.speech = self.loop.connect_push(addresses.speech)
         self.stage = None
         self.listeners: dict[str, Listener] = {}
@@ -144,8 +145,10 @@ class OmniTalkerWorker:
             self.stage.drop(message.speech_id)
             self._fail(listener, f"the thinker's rows do not fit: {exc}")
             return
-        if dropped is not None:  # its text failed: nothing to say
+        if dropped is not None and dropped.error is not None:  # its text failed
             self._fail(listener, dropped.error)
+        elif dropped is not None:  # its text ended before its first word: nothing to say
+            self._send(listener, b"", final=True)
 
     # ---- work -----------------------------------------------------------------------------
 
@@ -183,6 +186,8 @@ class OmniTalkerWorker:
                     self._send(listener, pcm)
             if update.finished:
                 self._send(listener, b"", final=True)
+            # Many answers' chunks in one turn: the frontend must still hear this loop.
+            self.loop.beat_if_due()
 
     def _decode(self, listener: Listener, answer, new_codes: list[int], finished: bool) -> list:
         """The waveform chunks the answer's new codes complete (the rest too once it is finished)."""
@@ -224,6 +229,7 @@ class OmniTalkerWorker:
 
     def _fail(self, listener: Listener, reason: str) -> None:
         logger.warning("answer %s not spoken: %s", listener.speech_id, reason)
+        self.stage.drop(listener.speech_id)  # talker request, KV and rows: nobody listens any more
         self._send(listener, b"", final=True, error=reason)
 
     def _close(self, speech_id: str) -> None:

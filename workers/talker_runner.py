@@ -28,7 +28,8 @@ class TalkerRows:
     """One answer's input rows, at the thinker's width, in talker positions: the thinker's
     prompt rows, the speaker's text-bos embedding, then a row per generated thinker token as
     it comes. `finish(eos)` ends the stream: its text-eos row, then `pad` for ever after.
-    Rows are kept in one buffer that doubles when full (appends cost their own rows only)."""
+    Rows are kept in one buffer that grows by a quarter when full (appends cost their own rows
+    only, amortized; at most a quarter of the buffer unused)."""
 
     num_prompt_rows: int
     pad: torch.Tensor
@@ -45,7 +46,8 @@ class TalkerRows:
             raise RuntimeError("rows after the end of the stream")
         needed = self.num_rows + rows.shape[0]
         if self._buffer is None or needed > self._buffer.shape[0]:
-            grown = torch.empty(max(needed, 2 * self.num_rows, 64), rows.shape[1], dtype=rows.dtype)
+            # A quarter more each time: the prompt's rows come at once, then a row per token.
+            grown = torch.empty(max(needed, self.num_rows + self.num_rows // 4, 64), rows.shape[1], dtype=rows.dtype)
             if self._buffer is not None:
                 grown[:self.num_rows] = self._buffer[:self.num_rows]
             self._buffer = grown

@@ -6,10 +6,12 @@ it forwarded (ThinkerRows: a msgpack header and the rows as one raw frame, never
 ending with a message that says how the text ended. Rows are read from the hidden-state store
 (engine/thinker_rows.py), so a prefix hit's rows cost no recomputation.
 
-Never blocks the decoder: the socket does not queue for a talker that is not connected
-(ZMQ_IMMEDIATE) and sends do not wait. A message that cannot go out (the talker is gone or
-far behind) ends that answer's speech here; the frontend fails it when it hears the talker is
-lost, and the thinker's text goes on either way.
+Never blocks the decoder, and never drops a message for a talker that is alive: the socket
+queues without a bound for a connected talker (a talker that falls behind holds at most the
+rows of the answers being spoken, which the hidden-state store holds already), and queues
+nothing for a talker that is not connected (ZMQ_IMMEDIATE): then sends fail at once, the
+answer's speech ends here, and the frontend fails it as it fails every answer of a lost talker
+(the supervisor restarts it). The thinker's text goes on either way.
 """
 
 from __future__ import annotations
@@ -25,15 +27,12 @@ from engine.thinker_rows import RowsChunk, ThinkerRowsFeed, talker_prompt_positi
 
 logger = logging.getLogger("antiphon.decoder")
 
-# Messages queued for a slow talker before sends fail: rows of a few thousand tokens.
-SEND_HIGH_WATER_MARK = 4096
-
 
 class ThinkerRowsSender:
     def __init__(self, context: zmq.Context, address: str, runner, adapter) -> None:
         self.socket = context.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
-        self.socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # no bound: see above
         self.socket.connect(address)
         self.feed = ThinkerRowsFeed(runner)
         self.adapter = adapter
@@ -53,12 +52,21 @@ class ThinkerRowsSender:
             self._forget(request_id)
 
     def after_step(self, outputs) -> None:
-        for chunk in self.feed.after_step(outputs):
+        try:
+            chunks = self.feed.after_step(outputs)
+        except Exception:  # noqa: BLE001 - speech must never take the decoder (and text) down
+            logger.exception("reading the thinker's rows failed: this step's spoken answers are not spoken")
+            chunks = [RowsChunk(out.request_id, 0, None, ended=True, error="the thinker's rows could not be read")
+                      for out in outputs if out.request_id in self.feed]
+            for chunk in chunks:
+                self.feed.drop(chunk.request_id)
+        for chunk in chunks:
             self._send_chunk(chunk)
 
     def aborted(self, request_ids: list[str]) -> None:
         """The frontend ended these requests (a stop string, a client gone): what was handed
-        over is spoken (the frontend cancels the speech itself when nobody listens)."""
+        over is spoken, a step or two past a stop string (the frontend cancels the speech
+        itself when nobody listens)."""
         for request_id in request_ids:
             chunk = self.feed.end(request_id)
             if chunk is not None:
@@ -81,7 +89,7 @@ class ThinkerRowsSender:
             self.socket.send_multipart([protocol.encode(header), *frames], flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
-            logger.warning("the talker takes no rows (gone or far behind): %s is not spoken",
+            logger.warning("no talker is connected: %s is not spoken",
                            getattr(header, "speech_id", None) or header.speech.speech_id)
             return False
 

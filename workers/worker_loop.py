@@ -69,10 +69,13 @@ class WorkerLoop:
         socket.connect(address)
         return socket
 
-    def bind_pull(self, address: str, receive: Receive) -> zmq.Socket:
+    def bind_pull(self, address: str, receive: Receive, unbounded: bool = False) -> zmq.Socket:
         """A socket bound at `address` for peers to connect to; the loop takes its messages
-        with the inputs and hands each one's frames to `receive`."""
+        with the inputs and hands each one's frames to `receive`. `unbounded`: it queues
+        whatever its peers send (their senders rely on it never refusing)."""
         socket = self._socket(zmq.PULL)
+        if unbounded:
+            socket.setsockopt(zmq.RCVHWM, 0)
         socket.bind(address)
         self._poller.register(socket, zmq.POLLIN)
         self._receivers[socket] = receive
