@@ -73,7 +73,8 @@ def build_omni_tokenizer() -> PreTrainedTokenizerFast:
 @dataclass(frozen=True)
 class OmniSizes:
     """A thinker and its towers; the defaults are the tiny test model (a forward in
-    milliseconds). The talker and codec stay tiny at every size."""
+    milliseconds). The talker stays tiny unless sized; the codec stays tiny unless
+    `codec_width` is set."""
 
     width: int = 64
     layers: int = 2
@@ -95,6 +96,11 @@ class OmniSizes:
     talker_width: int = 48
     talker_layers: int = 2
     talker_heads: int = 3
+    # The codec: None is the tiny one; a DiT width builds Qwen2.5-Omni-7B's code2wav (blocks of
+    # 24 mel frames, 2 a code; BigVGAN's kernels and strides, 240 samples a frame) with every
+    # channel count scaled by codec_width / 1024 and `codec_layers` DiT layers (22 in the 7B).
+    codec_width: int | None = None
+    codec_layers: int = 22
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -144,15 +150,38 @@ def _qwen2_5_omni_config(tokenizer: PreTrainedTokenizerFast, sizes: OmniSizes) -
                   vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"],
                   audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
                   initializer_range=0.2)
-    dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=16, head_dim=16,
-               block_size=8, look_ahead_layers=[1], look_backward_layers=[0], repeats=2,
-               num_embeds=CODEC_VOCAB + 1, mel_dim=20, enc_emb_dim=24, enc_dim=16,
-               enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16, dropout=0.0)
-    bigvgan = dict(mel_dim=20, upsample_initial_channel=32, resblock_kernel_sizes=[3, 7],
-                   resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]], upsample_rates=[5, 4, 3],
-                   upsample_kernel_sizes=[10, 8, 6])
+    if sizes.codec_width is None:
+        dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ff_mult=2, emb_dim=16, head_dim=16,
+                   block_size=8, look_ahead_layers=[1], look_backward_layers=[0], repeats=2,
+                   num_embeds=CODEC_VOCAB + 1, mel_dim=20, enc_emb_dim=24, enc_dim=16,
+                   enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16, dropout=0.0)
+        bigvgan = dict(mel_dim=20, upsample_initial_channel=32, resblock_kernel_sizes=[3, 7],
+                       resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]], upsample_rates=[5, 4, 3],
+                       upsample_kernel_sizes=[10, 8, 6])
+    else:
+        dit, bigvgan = _codec_7b_proportions(sizes.codec_width, sizes.codec_layers)
     return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
                              token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))
+
+
+def _codec_7b_proportions(width: int, layers: int) -> tuple[dict, dict]:
+    """The DiT and BigVGAN configs of Qwen2.5-Omni-7B (transformers' defaults are the 7B's) with
+    channels scaled by width / 1024 and `layers` DiT layers, the look-back and look-ahead layers
+    where the 7B has them (0 and 20, and 10, of 22): the same blocks a forward reaches."""
+    if width % 64 or layers < 3:
+        raise ValueError(f"a codec {width} wide (whole 64-wide heads) with at least 3 layers, got {width} x {layers}")
+
+    def scaled(channels: int) -> int:
+        return max(1, channels * width // 1024)
+
+    # The second look-back layer stays apart from the first even at few layers.
+    look_back = [0, min(layers - 1, max(1, round(20 * layers / 22)))]
+    dit = dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64, head_dim=64,
+               emb_dim=scaled(512), look_ahead_layers=[round(10 * layers / 22)], look_backward_layers=look_back,
+               num_embeds=CODEC_VOCAB + 1, enc_emb_dim=scaled(192), enc_dim=scaled(128),
+               enc_channels=[scaled(256)] * 4 + [scaled(768)], enc_attention_channels=scaled(64),
+               enc_se_channels=scaled(64), dropout=0.0)
+    return dit, dict(upsample_initial_channel=scaled(1536))
 
 
 def _feature_extractor(sizes: OmniSizes) -> WhisperFeatureExtractor:
