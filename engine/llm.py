@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -55,8 +56,16 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yield each request's output every time it grows; `new_token_ids`/`new_text` hold the step's delta."""
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               voice: str | None = None, talker_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output every time it grows; `new_token_ids`/`new_text` hold the step's delta.
+        With an omni model and a `voice`, each answer's speech too, as the codec makes it: outputs
+        whose `new_audio` is the next chunk (float32 at `sample_rate`; a chunk may come after the
+        text's last output). The codec streams (engine/adapters/qwen2_5_omni_codec_stream.py),
+        as the server's does: not bit for bit `generate`'s whole decode."""
+        if voice is not None:
+            yield from self._stream_spoken(prompts, sampling_params, voice, talker_params)
+            return
         request_ids = self._add_all(prompts, sampling_params)
         remaining = set(request_ids)
         try:
@@ -82,6 +91,64 @@ class LLM:
 
     def _generate_spoken(self, prompts, sampling_params, voice: str,
                          talker_params: SamplingParams | None) -> list[RequestOutput]:
+        speech, requests = self._add_spoken(prompts, sampling_params, voice, talker_params)
+        texts: dict[str, RequestOutput] = {}
+        answers: dict[str, object] = {}
+        for outputs, updates in self._spoken_steps(speech, requests):
+            texts.update((out.request_id, out) for out in outputs if out.finished)
+            for update in updates:
+                if update.finished:
+                    answer = answers[update.answer.request_id] = update.answer
+                    if answer.error is None:
+                        answer.waveform = speech.stage.waveform(answer)  # whole, as transformers decodes it
+        results = []
+        for request in requests:
+            out, answer = texts[request.request_id], answers.get(request.request_id)
+            if answer is not None:  # else not spoken: its text failed or was aborted
+                if answer.error is not None and out.error is None:
+                    out.error = f"speech failed: {answer.error}"
+                out.codec_token_ids = answer.codes
+                out.audio = answer.waveform.cpu().numpy() if answer.waveform is not None else None
+                out.sample_rate = speech.spec.sample_rate
+            results.append(out)
+        return results
+
+    def _stream_spoken(self, prompts, sampling_params, voice: str,
+                       talker_params: SamplingParams | None) -> Iterator[RequestOutput]:
+        from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
+
+        speech, requests = self._add_spoken(prompts, sampling_params, voice, talker_params)
+        stage = speech.stage
+        latest: dict[str, RequestOutput] = {}
+        codecs: dict[str, CodecStream] = {}
+        for outputs, updates in self._spoken_steps(speech, requests):
+            for out in outputs:
+                latest[out.request_id] = out
+                yield out
+            for update in updates:
+                answer = update.answer
+                said = latest[answer.request_id]
+                if answer.error is not None:
+                    codecs.pop(answer.request_id, None)
+                    yield dataclasses.replace(said, new_token_ids=[], new_text="",
+                                              error=said.error or f"speech failed: {answer.error}")
+                    continue
+                codec = codecs.get(answer.request_id)
+                if codec is None:
+                    codec = codecs[answer.request_id] = CodecStream(stage.codec, stage.spec.speakers[answer.speaker],
+                                                                    seed=answer.params.seed)
+                chunks = codec.feed(update.new_codes) if update.new_codes else []
+                if update.finished:
+                    chunks.append(codec.finish())
+                    del codecs[answer.request_id]
+                for chunk in chunks:
+                    if chunk.numel():
+                        yield dataclasses.replace(said, new_token_ids=[], new_text="", new_audio=chunk.numpy(),
+                                                  sample_rate=stage.spec.sample_rate)
+
+    def _add_spoken(self, prompts, sampling_params, voice: str, talker_params: SamplingParams | None):
+        """The requests of spoken answers, added to the thinker and the talker stage, all checked
+        first: a bad voice leaves no half-added batch."""
         from engine.omni_speech import OmniSpeech
 
         if self._speech is None:
@@ -89,7 +156,6 @@ class LLM:
         speech = self._speech
         talker_params = (speech.talker_params(talker_params) if talker_params is not None
                          else speech.stage.default_params(self.engine.config.max_spoken_codes))
-        # Everything checked before anything is queued: a bad voice leaves no half-added batch.
         try:
             requests = [self.engine.make_request(p, sp) for p, sp in zip(*self._pair(prompts, sampling_params))]
             for request in requests:
@@ -101,39 +167,35 @@ class LLM:
         for request in requests:
             self.engine.add_engine_request(request)
             speech.add(request.request_id, request.prompt_token_ids, request.mm_placeholders, voice, talker_params)
-        texts: dict[str, RequestOutput] = {}
-        spoken: dict[str, object] = {}
+        return speech, requests
+
+    def _spoken_steps(self, speech, requests):
+        """A thinker step, then a talker step, until every answer's text and speech are done
+        (either may end first): yields each pair's (text outputs, speech updates). Whatever is
+        left when the caller stops is aborted, in both engines."""
         wanted = {request.request_id for request in requests}
+        texts: set[str] = set()
+        spoken: set[str] = set()
         try:
-            # Until every answer's text and speech are done (either may end first).
-            while len(texts) < len(requests) or len(spoken) < len(requests):
+            while len(texts) < len(wanted) or len(spoken) < len(wanted):
                 if not self.engine.has_unfinished_requests and not speech.talker.has_unfinished_requests:
-                    missing = sorted(wanted - set(spoken))
-                    raise RuntimeError(f"engines went idle with spoken answers unfinished: {missing}")
+                    raise RuntimeError(f"engines went idle with spoken answers unfinished: {sorted(wanted - spoken)}")
                 outputs = self.engine.step()
                 speech.after_thinker_step(outputs)
-                texts.update((out.request_id, out) for out in outputs if out.finished)
                 for out in outputs:
-                    if out.finished and out.request_id not in speech.answers and out.request_id not in spoken:
-                        spoken[out.request_id] = None  # not spoken: its text failed or was aborted
-                spoken.update((answer.request_id, answer) for answer in speech.talker_step())
+                    if out.finished:
+                        texts.add(out.request_id)
+                        if out.request_id not in speech.answers:
+                            spoken.add(out.request_id)  # spoken already, or never: its text failed
+                updates = speech.stage.step()
+                spoken.update(update.answer.request_id for update in updates if update.finished)
+                yield outputs, updates
         finally:
             unfinished = [request_id for request_id in wanted if request_id not in texts]
             if unfinished:
                 self.engine.abort_request(unfinished)
             for request_id in wanted:
                 speech.drop(request_id)
-        results = []
-        for request in requests:
-            out, answer = texts[request.request_id], spoken[request.request_id]
-            if answer is not None:
-                if answer.error is not None and out.error is None:
-                    out.error = f"speech failed: {answer.error}"
-                out.codec_token_ids = answer.codes
-                out.audio = answer.waveform.cpu().numpy() if answer.waveform is not None else None
-                out.sample_rate = speech.spec.sample_rate
-            results.append(out)
-        return results
 
     def chat_prompt(self, messages: Messages, chat_template: str | None = None) -> Prompt:
         """The conversation as a prompt: token ids, or with images or audio a dict of token ids

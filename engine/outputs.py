@@ -29,6 +29,8 @@ class RequestOutput:
     codec_token_ids: list[int] | None = None
     audio: object | None = None
     sample_rate: int | None = None
+    # Streamed speech (LLM.stream with a voice): the audio chunk this output brings.
+    new_audio: object | None = None
 
     @property
     def finished(self) -> bool:

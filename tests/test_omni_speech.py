@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.omni_models import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, save_tiny_omni
+from tests.omni_models import AUDIO_PLACEHOLDER, CODEC_EOS, CODEC_PAD, IMAGE_PLACEHOLDER, save_tiny_omni
 from tests.omni_reference import hf_omni_spoken_greedy
 from tests.test_omni_parity import as_prompt, clip, picture
 
@@ -119,3 +119,29 @@ def test_rows_out_of_order_or_an_answer_ended_before_its_prompt_are_refused(tiny
     dropped = stage.receive("a", 3, torch.zeros(2, width), ended=True)
     assert dropped is not None and dropped.error is None
     assert not stage.answers and not stage.streams and stage.talker.stats().kv_blocks_used == 0
+
+
+def test_streamed_speech_is_the_answer_s_codes_through_the_streaming_codec(tiny_omni):
+    from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
+
+    llm = LLM(str(tiny_omni), quantization="none", omni_speech=True)
+    # Text longer than the codes the codec's first chunk needs (16 in the tiny codec).
+    text = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # Sampled, seeded, never at its end codes: MAX_CODES codes, several chunks.
+    talker = SamplingParams(temperature=0.9, max_tokens=MAX_CODES, seed=5,
+                            logit_bias={CODEC_PAD: -100.0, CODEC_EOS: -100.0})
+    whole, = llm.generate(as_prompt(*CASES[0]), text, voice="Chelsie", talker_params=talker)
+    # (An output is read as it comes: the engine updates a request's output in place.)
+    events = [(out.new_text, out.new_audio) for out in llm.stream(as_prompt(*CASES[0]), text, voice="Chelsie",
+                                                                   talker_params=talker)]
+    chunks = [audio for _, audio in events if audio is not None]
+    assert "".join(new_text for new_text, _ in events) == whole.text
+    # Streamed as the codec makes it: several chunks, the first before the text is done.
+    assert len(chunks) >= 2
+    first_audio = next(i for i, (_, audio) in enumerate(events) if audio is not None)
+    assert first_audio < max(i for i, (new_text, _) in enumerate(events) if new_text)
+    stage = llm._speech.stage
+    codec = CodecStream(stage.codec, stage.spec.speakers["Chelsie"], seed=5)
+    expected = np.concatenate([*(c.numpy() for c in codec.feed(whole.codec_token_ids)), codec.finish().numpy()])
+    np.testing.assert_allclose(np.concatenate(chunks), expected, rtol=1e-5, atol=1e-6)
+    assert not llm._speech.answers and llm._speech.talker.stats().kv_blocks_used == 0
