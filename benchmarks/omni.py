@@ -84,7 +84,9 @@ FULL = Scale("omni-bench-512x8-t128-c128x8",
                        vision_heads=3, audio_width=192, audio_layers=8, audio_heads=3, mel_bins=128, audio_window=50,
                        max_pixels=1280 * 28 * 28, talker_width=128, talker_layers=8, talker_heads=2,
                        codec_width=128, codec_layers=8),
-             context_words=130, image_side=448, clip_seconds=10.0, rounds=5)
+             context_words=130, image_side=448, clip_seconds=10.0, rounds=5,
+             # A short spoken answer's text: the whole-answer hand-off waits for all of it.
+             text_tokens=128)
 # The smallest 7B-proportioned codec; enough codes that the first chunk comes before the end.
 QUICK = Scale("omni-bench-quick-c64x3", OmniSizes(max_pixels=64 * 28 * 28, codec_width=64, codec_layers=3),
               context_words=60, image_side=112, clip_seconds=2.0, rounds=2, text_tokens=8, codes=40, speech_rounds=1)
