@@ -85,7 +85,7 @@ class ScriptedGeneration:
     async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return [1, 2, 3]
 
-    async def stream(self, lease, prompt, params, cache_salt=None):
+    async def stream(self, lease, prompt, params, cache_salt=None, speech=None):
         try:
             for chunk in self.chunks:
                 await asyncio.sleep(0)
@@ -96,7 +96,9 @@ class ScriptedGeneration:
 
 def scripted_session(chunks=ANSWER, **limits) -> tuple[RealtimeSession, FakeWebSocket, ScriptedGeneration]:
     ws, generation = FakeWebSocket(), ScriptedGeneration(chunks)
-    state = SimpleNamespace(config=ServerConfig(**limits), model_name="tiny", generation=generation)
+    # A text model's engine client: the model does not speak for itself.
+    client = SimpleNamespace(speaks_itself=False, voices=[])
+    state = SimpleNamespace(config=ServerConfig(**limits), model_name="tiny", generation=generation, client=client)
     return RealtimeSession(ws, state), ws, generation
 
 

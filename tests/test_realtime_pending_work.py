@@ -72,6 +72,9 @@ class HeldEncoder:
     """An engine client whose transcriptions wait until `release` is set."""
 
     voice_ready = True
+    # The cascade speaks: the model does not speak for itself.
+    speaks_itself = False
+    voices: list[str] = []
 
     def __init__(self, text: str = "what is the capital of france") -> None:
         self.text = text
@@ -105,7 +108,7 @@ class RecordingGeneration(ScriptedGeneration):
         self.prompts.append(messages)
         return [1, 2, 3]
 
-    async def stream(self, lease, prompt, params, cache_salt=None):
+    async def stream(self, lease, prompt, params, cache_salt=None, speech=None):
         try:
             for chunk in self.chunks:
                 if self.hold is not None:
