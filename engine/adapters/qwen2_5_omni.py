@@ -188,17 +188,24 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
     def load_encoder(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         return load_weights_into(OmniEncoder, self.model_path, dtype, device, attn_implementation="sdpa")
 
-    def encode_items(self, encoder: torch.nn.Module, items: list[ProcessedItem]) -> list[torch.Tensor]:
+    def _encode_images(self, encoder: torch.nn.Module, items: list[ProcessedItem]) -> dict[int, torch.Tensor]:
+        """The image items' rows, by their index in `items`, from one vision-tower call."""
         device = next(encoder.parameters()).device
         outputs: dict[int, torch.Tensor] = {}
         images = [(i, item) for i, item in enumerate(items) if item.modality == "image"]
-        clips = [(i, item) for i, item in enumerate(items) if item.modality == "audio"]
         with torch.inference_mode():
             if images:
                 pixel_values = torch.from_numpy(np.concatenate([item.tower_input for _, item in images])).to(device)
                 grid_thw = torch.tensor([item.grid for _, item in images], dtype=torch.long, device=device)
                 rows = encoder.encode_images(pixel_values, grid_thw)
                 outputs.update(zip((i for i, _ in images), torch.split(rows, [it.num_embeddings for _, it in images])))
+        return outputs
+
+    def encode_items(self, encoder: torch.nn.Module, items: list[ProcessedItem]) -> list[torch.Tensor]:
+        device = next(encoder.parameters()).device
+        outputs = self._encode_images(encoder, items)
+        clips = [(i, item) for i, item in enumerate(items) if item.modality == "audio"]
+        with torch.inference_mode():
             if clips:
                 features = torch.from_numpy(np.concatenate([item.tower_input for _, item in clips], axis=1)).to(device)
                 frames = torch.tensor([item.tower_input.shape[1] for _, item in clips], dtype=torch.long, device=device)

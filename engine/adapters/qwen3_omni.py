@@ -188,14 +188,8 @@ class Qwen3OmniAdapter(Qwen2_5OmniAdapter):
 
     def encode_items(self, encoder: torch.nn.Module, items: list[ProcessedItem]) -> list[torch.Tensor]:
         device = next(encoder.parameters()).device
-        outputs: dict[int, torch.Tensor] = {}
-        images = [(i, item) for i, item in enumerate(items) if item.modality == "image"]
+        outputs = self._encode_images(encoder, items)
         with torch.inference_mode():
-            if images:
-                pixel_values = torch.from_numpy(np.concatenate([item.tower_input for _, item in images])).to(device)
-                grid_thw = torch.tensor([item.grid for _, item in images], dtype=torch.long, device=device)
-                rows = encoder.encode_images(pixel_values, grid_thw)
-                outputs.update(zip((i for i, _ in images), torch.split(rows, [it.num_embeddings for _, it in images])))
             for group in self._clip_groups(items):
                 features = torch.from_numpy(np.concatenate([items[i].tower_input for i in group], axis=1)).to(device)
                 frames = torch.tensor([items[i].tower_input.shape[1] for i in group], dtype=torch.long, device=device)
