@@ -195,7 +195,8 @@ def speak(llm, speech, prompts: list[str], text_tokens: int, codes: int) -> Spok
     for prompt in prompts:
         request = llm.engine.make_request(prompt, text)
         llm.engine.add_engine_request(request)
-        speech.add(request.request_id, request.prompt_token_ids, [], "Chelsie", talker)
+        speech.add(request.request_id, request.prompt_token_ids,
+                   speech.talker_prompt(request.prompt_token_ids, request.mm_placeholders), "Chelsie", talker)
     pending = len(prompts)
     while pending:
         speech.after_thinker_step(llm.engine.step())
@@ -205,8 +206,7 @@ def speak(llm, speech, prompts: list[str], text_tokens: int, codes: int) -> Spok
             if answer.error is not None:
                 raise RuntimeError(f"the talker failed: {answer.error}")
             if answer.request_id not in codecs:
-                codecs[answer.request_id] = CodecStream(speech.stage.codec, speech.spec.speakers[answer.speaker],
-                                                         seed=answer.params.seed)
+                codecs[answer.request_id] = speech.stage.codec_stream(answer)
             stream = codecs[answer.request_id]
             heard(answer.request_id, stream.feed(update.new_codes))
             if update.finished:

@@ -115,12 +115,10 @@ class LLM:
 
     def _stream_spoken(self, prompts, sampling_params, voice: str,
                        talker_params: SamplingParams | None) -> Iterator[RequestOutput]:
-        from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
-
         speech, requests = self._add_spoken(prompts, sampling_params, voice, talker_params)
         stage = speech.stage
         latest: dict[str, RequestOutput] = {}
-        codecs: dict[str, CodecStream] = {}
+        codecs: dict[str, object] = {}
         for outputs, updates in self._spoken_steps(speech, requests):
             for out in outputs:
                 latest[out.request_id] = out
@@ -135,8 +133,7 @@ class LLM:
                     continue
                 codec = codecs.get(answer.request_id)
                 if codec is None:
-                    codec = codecs[answer.request_id] = CodecStream(stage.codec, stage.spec.speakers[answer.speaker],
-                                                                    seed=answer.params.seed)
+                    codec = codecs[answer.request_id] = stage.codec_stream(answer)
                 chunks = codec.feed(update.new_codes) if update.new_codes else []
                 if update.finished:
                     chunks.append(codec.finish())
@@ -158,15 +155,17 @@ class LLM:
                          else speech.stage.default_params(self.engine.config.max_spoken_codes))
         try:
             requests = [self.engine.make_request(p, sp) for p, sp in zip(*self._pair(prompts, sampling_params))]
+            prompts = []
             for request in requests:
                 self.engine.check_request(request)
-                speech.check(voice, len(request.prompt_token_ids), talker_params)
+                prompts.append(speech.talker_prompt(request.prompt_token_ids, request.mm_placeholders))
+                speech.check(voice, prompts[-1], talker_params)
         except Exception:
             self.engine.discard_unadded_items()
             raise
-        for request in requests:
+        for request, prompt in zip(requests, prompts):
             self.engine.add_engine_request(request)
-            speech.add(request.request_id, request.prompt_token_ids, request.mm_placeholders, voice, talker_params)
+            speech.add(request.request_id, request.prompt_token_ids, prompt, voice, talker_params)
         return speech, requests
 
     def _spoken_steps(self, speech, requests):

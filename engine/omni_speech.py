@@ -14,7 +14,7 @@ import dataclasses
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.talker_stage import DEFAULT_TALKER_PARAMS, SpokenAnswer, TalkerStage
-from engine.thinker_rows import ThinkerRowsFeed, talker_prompt_positions
+from engine.thinker_rows import TalkerPrompt, ThinkerRowsFeed
 
 __all__ = ["DEFAULT_TALKER_PARAMS", "OmniSpeech"]
 
@@ -24,7 +24,7 @@ class OmniSpeech:
     for the thinker's whole answer (for measuring what the chunked hand-off saves)."""
 
     def __init__(self, engine, talker_config: EngineConfig | None = None, handoff: str = "chunked") -> None:
-        from engine.adapters.qwen2_5_omni_talker import TalkerSpec
+        from engine.adapters import talker_spec
 
         executor = engine.core.executor
         if engine.core._step_thread is not None:
@@ -38,7 +38,7 @@ class OmniSpeech:
                              and engine.adapter.talker_row_width() is not None else "this model has no talker")
         self.adapter = engine.adapter
         self.feed = ThinkerRowsFeed(runner)
-        spec = TalkerSpec.from_checkpoint(engine.model_path, executor.model.get_input_embeddings())
+        spec = talker_spec(engine.model_path, executor.model.get_input_embeddings())
         # As many blocks as the thinker's pool (the talker's are smaller: fewer, narrower layers).
         # No prefix caching: its prompt tokens are all the codec's mask code, whatever was said.
         config = talker_config or dataclasses.replace(
@@ -63,15 +63,17 @@ class OmniSpeech:
     def talker_params(self, params: SamplingParams) -> SamplingParams:
         return self.stage.talker_params(params)
 
-    def check(self, speaker: str, num_prompt_tokens: int, talker_params: SamplingParams) -> None:
-        self.stage.check(speaker, num_prompt_tokens, talker_params)
+    def talker_prompt(self, prompt_token_ids: list[int], placeholders) -> TalkerPrompt:
+        return self.adapter.talker_prompt(prompt_token_ids, placeholders)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], placeholders, speaker: str,
+    def check(self, speaker: str, prompt: TalkerPrompt, talker_params: SamplingParams) -> None:
+        self.stage.check(speaker, prompt, talker_params)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], prompt: TalkerPrompt, speaker: str,
             talker_params: SamplingParams) -> None:
         """Speak the answer of the thinker request `request_id` (added to the thinker, checked);
         `talker_params` as `talker_params()` made them."""
-        positions, delta = talker_prompt_positions(self.adapter, len(prompt_token_ids), placeholders)
-        self.stage.add(request_id, len(prompt_token_ids), speaker, talker_params, positions, delta)
+        self.stage.add(request_id, prompt, speaker, talker_params)
         self.feed.add(request_id, len(prompt_token_ids))
 
     def after_thinker_step(self, outputs) -> None:

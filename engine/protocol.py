@@ -113,12 +113,16 @@ class CancelSpeech(msgspec.Struct, tag="cancel_speech"):
 
 
 class StartSpeaking(msgspec.Struct, tag="start_speaking", kw_only=True):
-    """Decoder -> talker (omni): an answer to speak, sent when its request is added. With
-    `has_positions` the next frame holds the talker prompt's M-RoPE positions (int64, [3,
-    num_prompt_tokens + 2]); without, they are text positions."""
+    """Decoder -> talker (omni): an answer to speak, sent when its request is added, with how
+    its talker prompt is made of the thinker's (engine/thinker_rows.py TalkerPrompt: `cut`,
+    the `kept` and `items` ranges of thinker positions). With `has_positions` the next frame
+    holds the talker prompt's M-RoPE positions (int64, [3, talker prompt length]); without,
+    they are text positions."""
 
     speech: SpeechOptions
-    num_prompt_tokens: int
+    cut: int
+    kept: list[tuple[int, int]]
+    items: list[tuple[int, int]] = []
     has_positions: bool = False
     mrope_delta: int = 0
 

@@ -17,19 +17,19 @@ import importlib
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.thinker_rows import TalkerPrompt
 
 TALKER_EXECUTOR = "workers.talker_runner:TalkerExecutor"
 TALKER_ROWS = "workers.talker_runner:TalkerRows"
 
 # Qwen2.5-Omni's generate: the talker samples (top-k 40, top-p 0.8, temperature 0.9) with a
-# repetition penalty of 1.05, and never emits its codec-bos token.
+# repetition penalty of 1.05 (a spec's `default_sampling` may say otherwise: Qwen3-Omni's).
 DEFAULT_TALKER_PARAMS = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=4096)
 
 HANDOFFS = ("chunked", "whole")
@@ -42,16 +42,21 @@ def _resolve(name: str):
 
 @dataclass
 class SpokenAnswer:
-    """One answer being spoken: its talker rows, what it said so far."""
+    """One answer being spoken: its talker rows, what it said so far (codes, or frames of codes
+    for a talker with code groups)."""
 
     request_id: str
-    num_prompt_tokens: int
+    prompt: TalkerPrompt
     speaker: str
     rows: object  # TalkerRows
     params: SamplingParams
+    talker_prompt_ids: list[int]
     talker_started: bool = False
     thinker_done: bool = False
-    codes: list[int] = field(default_factory=list)
+    # Thinker positions whose rows have arrived, and whether the talker's start rows are in.
+    thinker_rows: int = 0
+    start_rows_in: bool = False
+    codes: list = field(default_factory=list)
     waveform: torch.Tensor | None = None
     error: str | None = None
 
@@ -90,29 +95,27 @@ class TalkerStage:
 
     def default_params(self, max_codes: int, seed: int | None = None) -> SamplingParams:
         """The checkpoint's own talker sampling, at most `max_codes` codes, seeded."""
-        return self.talker_params(msgspec.structs.replace(DEFAULT_TALKER_PARAMS, max_tokens=max_codes, seed=seed))
+        defaults = getattr(self.spec, "default_sampling", DEFAULT_TALKER_PARAMS)
+        return self.talker_params(msgspec.structs.replace(defaults, max_tokens=max_codes, seed=seed))
 
     def talker_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` for the talker: it stops at the codec's pad or end code, and never says its
-        codec-bos code (a bias of -100: transformers' suppress_tokens sets -inf, which OpenAI's
-        bias range excludes)."""
-        return msgspec.structs.replace(params, stop_token_ids=list(self.spec.stop_token_ids),
-                                       logit_bias={**params.logit_bias, self.spec.codec_bos: -100.0})
+        """`params` for the talker: its stop codes, the codes it never says (the spec's)."""
+        return self.spec.talker_params(params)
 
-    def check(self, speaker: str, num_prompt_tokens: int, talker_params: SamplingParams) -> None:
+    def check(self, speaker: str, prompt: TalkerPrompt, talker_params: SamplingParams) -> None:
         """Raises ValueError if `add` would be refused, or the talker could never take the answer."""
         if speaker not in self.spec.speakers:
             raise ValueError(f"unknown voice {speaker!r}; this model has {', '.join(sorted(self.spec.speakers))}")
-        probe = Request("probe", self.spec.prompt_token_ids(num_prompt_tokens), talker_params)
+        probe = Request("probe", self.spec.prompt_token_ids(prompt.num_kept, speaker), talker_params)
         self.talker.check_request(probe)
 
-    def add(self, request_id: str, num_prompt_tokens: int, speaker: str, talker_params: SamplingParams,
-            mrope_positions: np.ndarray | None = None, mrope_delta: int = 0) -> None:
+    def add(self, request_id: str, prompt: TalkerPrompt, speaker: str, talker_params: SamplingParams) -> None:
         """Expect the rows of a checked answer; `talker_params` as `talker_params()` made them,
-        positions as engine/thinker_rows.talker_prompt_positions made them."""
-        rows = self._rows_class(num_prompt_rows=num_prompt_tokens, pad=self.spec.text_pad,
-                                mrope_positions=mrope_positions, mrope_delta=mrope_delta)
-        self.answers[request_id] = SpokenAnswer(request_id, num_prompt_tokens, speaker, rows, talker_params)
+        `prompt` as the thinker's adapter made it (talker_prompt)."""
+        rows = self._rows_class(num_prompt_rows=prompt.num_kept, pad=self.spec.text_pad,
+                                mrope_positions=prompt.mrope_positions, mrope_delta=prompt.mrope_delta)
+        self.answers[request_id] = SpokenAnswer(request_id, prompt, speaker, rows, talker_params,
+                                                self.spec.prompt_token_ids(prompt.num_kept, speaker))
 
     def receive(self, request_id: str, start: int, rows: torch.Tensor | None, ended: bool = False,
                 error: str | None = None) -> SpokenAnswer | None:
@@ -129,7 +132,7 @@ class TalkerStage:
             return answer
         if rows is not None and rows.shape[0]:
             self._append(answer, start, rows)
-        if ended and answer.rows.num_rows <= answer.num_prompt_tokens:
+        if ended and not answer.start_rows_in:
             self.drop(request_id)
             return answer
         if ended:
@@ -146,28 +149,32 @@ class TalkerStage:
         self.streams.pop(request_id, None)
 
     def _append(self, answer: SpokenAnswer, start: int, rows: torch.Tensor) -> None:
-        if start != answer.rows.num_rows - (start >= answer.num_prompt_tokens):
+        if start != answer.thinker_rows:
             raise ValueError(f"rows of {answer.request_id} from position {start}; "
-                             f"{answer.rows.num_rows} positions have arrived")
-        prompt = answer.num_prompt_tokens
-        if start < prompt <= start + rows.shape[0]:
-            # The speaker's text-bos row sits between the prompt's rows and the reply's.
-            cut = prompt - start
-            answer.rows.append(rows[:cut])
-            answer.rows.append(self.spec.text_bos[answer.speaker].to(rows.dtype).unsqueeze(0))
-            rows = rows[cut:]
+                             f"{answer.thinker_rows} positions have arrived")
+        answer.thinker_rows += rows.shape[0]
+        cut = answer.prompt.cut
+        if start < cut:
+            below = rows[:cut - start]
+            kept, items = (torch.from_numpy(mask[start:start + below.shape[0]]) for mask in answer.prompt.masks())
+            if bool(kept.any()):
+                answer.rows.append(below[kept], items[kept])
+            rows = rows[below.shape[0]:]
+        if answer.thinker_rows >= cut and not answer.start_rows_in:
+            # The talker's own start rows sit between the prompt's rows and the reply's.
+            answer.rows.append(self.spec.start_rows(answer.speaker).to(rows.dtype))
+            answer.start_rows_in = True
         if rows.shape[0]:
             answer.rows.append(rows)
 
     def _start_or_feed(self, answer: SpokenAnswer) -> None:
         known = answer.rows.known_positions
         if not answer.talker_started:
-            prompt = answer.num_prompt_tokens + 2
-            if (known is not None and known < prompt) or (self.handoff == "whole" and not answer.thinker_done):
+            if ((known is not None and known < len(answer.talker_prompt_ids))
+                    or (self.handoff == "whole" and not answer.thinker_done)):
                 return
             self.streams[answer.request_id] = answer.rows
-            request = Request(answer.request_id, self.spec.prompt_token_ids(answer.num_prompt_tokens),
-                              answer.params, input_limit=known)
+            request = Request(answer.request_id, answer.talker_prompt_ids, answer.params, input_limit=known)
             self.talker.add_request(request)
             answer.talker_started = True
         else:
@@ -181,7 +188,11 @@ class TalkerStage:
             answer = self.answers.get(out.request_id)
             if answer is None:
                 continue
-            new_codes = list(out.new_token_ids)
+            if self.spec.num_code_groups > 1:
+                # Frames, made beside each first code the talker said (never for its end code).
+                new_codes = answer.rows.frames[len(answer.codes):]
+            else:
+                new_codes = list(out.new_token_ids)
             if out.finished:
                 # The end code is not speech.
                 while new_codes and new_codes[-1] in self.spec.stop_token_ids:
@@ -201,3 +212,8 @@ class TalkerStage:
         if not answer.codes:
             return torch.zeros(0)
         return self.codec.waveform(answer.codes, self.spec.speakers[answer.speaker], answer.params.seed)
+
+    def codec_stream(self, answer: SpokenAnswer):
+        """A stream that makes the answer's audio as its codes come: feed(new codes) -> chunks
+        final now, finish() -> the rest."""
+        return self.codec.stream(self.spec.speakers[answer.speaker], answer.params.seed)

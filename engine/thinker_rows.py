@@ -10,7 +10,7 @@ The offline API appends the chunks to the talker's streams in the same process
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,12 +29,36 @@ class RowsChunk:
     error: str | None = None
 
 
-def talker_prompt_positions(adapter, num_prompt_tokens: int, placeholders) -> tuple[np.ndarray | None, int]:
-    """The talker's M-RoPE prompt positions (the thinker's prompt, then its text-bos and first
-    reply position) and the delta of later ones; (None, 0) for a text prompt (text positions)."""
-    if not placeholders:
-        return None, 0
-    return adapter.prompt_positions(num_prompt_tokens + 2, placeholders)
+@dataclass
+class TalkerPrompt:
+    """How an answer's talker prompt is made of its thinker prompt (each family's adapter says,
+    from the prompt's tokens: `talker_prompt`).
+
+    The talker reads the thinker's rows of the `kept` ranges of positions below `cut`, then
+    its own start rows (the spec's `start_rows`), then every thinker row from `cut` on (the
+    reply's, as they come). Rows in `items` ranges are the thinker's reading of an image or
+    clip, which some talkers project apart from text rows. `mrope_positions` ([3, talker
+    prompt length]) are the talker prompt's; later positions are text positions plus
+    `mrope_delta`; None: text positions throughout."""
+
+    cut: int
+    kept: list[tuple[int, int]]
+    items: list[tuple[int, int]] = field(default_factory=list)
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
+
+    @property
+    def num_kept(self) -> int:
+        return sum(end - start for start, end in self.kept)
+
+    def masks(self) -> tuple[np.ndarray, np.ndarray]:
+        """[cut] bools: which thinker positions below the cut are kept, which are items'."""
+        kept, items = np.zeros(self.cut, dtype=bool), np.zeros(self.cut, dtype=bool)
+        for start, end in self.kept:
+            kept[start:end] = True
+        for start, end in self.items:
+            items[start:min(end, self.cut)] = True
+        return kept, items
 
 
 class ThinkerRowsFeed:

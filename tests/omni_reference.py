@@ -99,22 +99,31 @@ def _keep_attention_mask(module, args, kwargs):
 
 def hf_omni_spoken_greedy(path: Path, prompt_text: str, images: list, clips: list, max_new_tokens: int,
                           max_codes: int, speaker: str, seed: int, repetition_penalty: float = 1.0
-                          ) -> tuple[list[int], list[int], torch.Tensor]:
+                          ) -> tuple[list[int], list, torch.Tensor]:
     """The thinker's greedy tokens, the talker's greedy codes (with `repetition_penalty`) and
-    the codec's waveform, its noise drawn after torch.manual_seed(seed)."""
+    the codec's waveform. Qwen2.5-Omni: codes are ints, and the codec's noise is drawn after
+    torch.manual_seed(seed); Qwen3-Omni: codes are frames (a list of code groups per step), and
+    code2wav draws no noise."""
     model = load_reference_omni(Path(path))
+    qwen3 = hasattr(model, "code2wav")
     if not getattr(model, "_antiphon_mask_hook", False):
         model.talker.register_forward_pre_hook(_keep_attention_mask, with_kwargs=True)
         model._antiphon_mask_hook = True
+    if qwen3 and not hasattr(model.talker.config, "audio_config"):
+        # transformers 5.23: the talker's get_rope_index reads audio_config.n_window from the
+        # talker's own config, which has none (a prompt with a clip fails there); it is the
+        # thinker's audio tower's.
+        model.talker.config.audio_config = model.config.thinker_config.audio_config
     captured = {}
-    token2wav = model.token2wav.forward
+    codec, method = (model.code2wav, "chunked_decode") if qwen3 else (model.token2wav, "forward")
+    decode = getattr(codec, method)
 
-    def codes_then_seeded(code, **kwargs):
-        captured["codes"] = code[0].tolist()
+    def codes_then_decode(code, **kwargs):
+        captured["codes"] = code[0].T.tolist() if qwen3 else code[0].tolist()
         torch.manual_seed(seed)
-        return token2wav(code, **kwargs)
+        return decode(code, **kwargs)
 
-    model.token2wav.forward = codes_then_seeded
+    setattr(codec, method, codes_then_decode)
     try:
         inputs = dict(hf_omni_inputs(path, prompt_text, images, clips))
         # Unprefixed, the pixels would reach the talker too, whose generate refuses them; the
@@ -128,5 +137,5 @@ def hf_omni_spoken_greedy(path: Path, prompt_text: str, images: list, clips: lis
                 thinker_eos_token_id=None, talker_max_new_tokens=max_codes, talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty)
     finally:
-        model.token2wav.forward = token2wav
-    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), captured["codes"], waveform
+        setattr(codec, method, decode)
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), captured["codes"], waveform.reshape(-1)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.thinker_rows import TalkerPrompt
 from tests.omni_models import AUDIO_PLACEHOLDER, CODEC_EOS, CODEC_PAD, IMAGE_PLACEHOLDER, save_tiny_omni
 from tests.omni_reference import hf_omni_spoken_greedy
 from tests.test_omni_parity import as_prompt, clip, picture
@@ -112,7 +113,7 @@ def test_rows_out_of_order_or_an_answer_ended_before_its_prompt_are_refused(tiny
     llm.generate("warm", SamplingParams(max_tokens=1), voice="Chelsie")
     stage = llm._speech.stage
     width = llm._speech.spec.text_pad.shape[0]
-    stage.add("a", 6, "Chelsie", stage.default_params(8))
+    stage.add("a", TalkerPrompt(cut=6, kept=[(0, 6)]), "Chelsie", stage.default_params(8))
     stage.receive("a", 0, torch.zeros(3, width))
     with pytest.raises(ValueError, match="from position 4"):
         stage.receive("a", 4, torch.zeros(2, width))

@@ -268,7 +268,7 @@ class ModelRunner:
             logits = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False,
                                 logits_to_keep=logits_index).logits[0]
             if self.hidden_store is not None:
-                rows = self.adapter.talker_rows(self.model.last_hidden_states[0], embeds[0], item_rows)
+                rows = self.adapter.talker_rows(self.model.talker_hidden_states[0], embeds[0], item_rows)
                 self.hidden_store.write(torch.from_numpy(batch.slot_mapping), rows.cpu())
             return logits
 

@@ -4,8 +4,8 @@ With an omni model and voice on, the talker process runs this worker instead of 
 The decoder announces each spoken answer (StartSpeaking) and sends the thinker's rows as it
 makes them (ThinkerRows, one raw frame each); the talker stage (engine/talker_stage.py) runs
 the talker as an engine core of its own, batching every answer being spoken, and the codec
-turns each answer's codes into audio as they come (engine/adapters/qwen2_5_omni_codec_stream.py:
-a small first chunk, then steady chunks with their context), sent to the frontend as 16-bit PCM
+turns each answer's codes into audio as they come (a small first chunk, then steady chunks
+with their context: Qwen2.5-Omni's CodecStream, Qwen3-Omni's Code2WavStream), sent to the frontend as 16-bit PCM
 at the rate the client asked for (SpeechAudio, on the speech socket). The frontend's CancelSpeech (barge-in,
 a client gone) drops an answer wherever it is: rows still on their way are ignored.
 
@@ -29,6 +29,7 @@ from engine import protocol
 from engine.array_frames import tensor_from_frame
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
+from engine.thinker_rows import TalkerPrompt
 from workers.ended_answers import EndedAnswers
 from workers.worker_loop import WorkerLoop
 
@@ -65,7 +66,7 @@ class OmniTalkerWorker:
     def load(self) -> None:
         from transformers import AutoConfig
 
-        from engine.adapters.qwen2_5_omni_talker import TalkerSpec
+        from engine.adapters import talker_spec
         from engine.checkpoint import resolve_model_path
         from engine.talker_stage import TalkerStage
         from workers.model_loader import resolve_device, resolve_dtype
@@ -74,9 +75,9 @@ class OmniTalkerWorker:
         path = resolve_model_path(self.config.model)
         device = resolve_device(self.config.device)
         dtype = resolve_dtype(self.config.dtype, AutoConfig.from_pretrained(path), device)
-        spec = TalkerSpec.from_checkpoint(path)
+        spec = talker_spec(path)
         # Its own pool, sized by the default rule for its (small) blocks; no prefix caching:
-        # its prompt tokens are all the codec's mask code, whatever was said.
+        # its prompt's codes are the same whatever was said.
         talker_config = dataclasses.replace(
             self.config, enable_prefix_caching=False, async_scheduling=False, encoder_cache_size=0,
             num_kv_blocks=None, kv_cache_memory_gib=None, max_model_len=None, omni_speech=False)
@@ -122,11 +123,13 @@ class OmniTalkerWorker:
         try:
             positions = None
             if message.has_positions:
-                positions = np.frombuffer(frames[0], dtype=np.int64).reshape(3, message.num_prompt_tokens + 2).copy()
+                positions = np.frombuffer(frames[0], dtype=np.int64).reshape(3, -1).copy()
+            prompt = TalkerPrompt(cut=message.cut, kept=[tuple(r) for r in message.kept],
+                                  items=[tuple(r) for r in message.items], mrope_positions=positions,
+                                  mrope_delta=message.mrope_delta)
             params = self.stage.default_params(self.config.max_spoken_codes, speech.seed)
-            self.stage.check(speech.voice, message.num_prompt_tokens, params)
-            self.stage.add(speech.speech_id, message.num_prompt_tokens, speech.voice, params, positions,
-                           message.mrope_delta)
+            self.stage.check(speech.voice, prompt, params)
+            self.stage.add(speech.speech_id, prompt, speech.voice, params)
         except (ValueError, IndexError) as exc:
             self._fail(Listener(speech.speech_id, speech.sample_rate), f"the answer cannot be spoken: {exc}")
             return
@@ -189,15 +192,12 @@ class OmniTalkerWorker:
             # Many answers' chunks in one turn: the frontend must still hear this loop.
             self.loop.beat_if_due()
 
-    def _decode(self, listener: Listener, answer, new_codes: list[int], finished: bool) -> list:
+    def _decode(self, listener: Listener, answer, new_codes: list, finished: bool) -> list:
         """The waveform chunks the answer's new codes complete (the rest too once it is finished)."""
-        from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
-
         if listener.codec is None:
             if not new_codes and finished:
                 return []
-            listener.codec = CodecStream(self.stage.codec, self.stage.spec.speakers[answer.speaker],
-                                         seed=answer.params.seed)
+            listener.codec = self.stage.codec_stream(answer)
         chunks = listener.codec.feed(new_codes) if new_codes else []
         if finished:
             chunks.append(listener.codec.finish())

@@ -26,32 +26,43 @@ from workers.paged_attention import ATTENTION_NAME
 @dataclass
 class TalkerRows:
     """One answer's input rows, at the thinker's width, in talker positions: the thinker's
-    prompt rows, the speaker's text-bos embedding, then a row per generated thinker token as
-    it comes. `finish(eos)` ends the stream: its text-eos row, then `pad` for ever after.
+    kept prompt rows, the talker's start rows, then a row per generated thinker token as it
+    comes. `finish(eos)` ends the stream: its text-eos row, then `pad` for ever after.
     Rows are kept in one buffer that grows by a quarter when full (appends cost their own rows
-    only, amortized; at most a quarter of the buffer unused)."""
+    only, amortized; at most a quarter of the buffer unused), with a flag per row: whether it
+    is an item's (the thinker's reading of an image or clip). A talker with code groups also
+    keeps here each frame it said (`frames`) and the frame's input row (`frame_rows`)."""
 
     num_prompt_rows: int
     pad: torch.Tensor
-    # 3-D M-RoPE positions of the talker's prompt (the thinker's, plus two text positions) and
-    # the delta of later positions; None: text positions on all three axes.
+    # 3-D M-RoPE positions of the talker's prompt and the delta of later positions; None:
+    # text positions on all three axes.
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
     num_rows: int = 0
     finished: bool = False
+    frames: list[list[int]] = field(default_factory=list)
+    frame_rows: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # The code predictor's random draws when the talker samples (seeded as the request is).
+    generator: torch.Generator | None = field(default=None, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
+    _from_items: torch.Tensor | None = field(default=None, repr=False)
 
-    def append(self, rows: torch.Tensor) -> None:
+    def append(self, rows: torch.Tensor, from_items: torch.Tensor | None = None) -> None:
         if self.finished:
             raise RuntimeError("rows after the end of the stream")
         needed = self.num_rows + rows.shape[0]
         if self._buffer is None or needed > self._buffer.shape[0]:
             # A quarter more each time: the prompt's rows come at once, then a row per token.
-            grown = torch.empty(max(needed, self.num_rows + self.num_rows // 4, 64), rows.shape[1], dtype=rows.dtype)
+            size = max(needed, self.num_rows + self.num_rows // 4, 64)
+            grown = torch.empty(size, rows.shape[1], dtype=rows.dtype)
+            grown_items = torch.zeros(size, dtype=torch.bool)
             if self._buffer is not None:
                 grown[:self.num_rows] = self._buffer[:self.num_rows]
-            self._buffer = grown
+                grown_items[:self.num_rows] = self._from_items[:self.num_rows]
+            self._buffer, self._from_items = grown, grown_items
         self._buffer[self.num_rows:needed] = rows
+        self._from_items[self.num_rows:needed] = False if from_items is None else from_items
         self.num_rows = needed
 
     def finish(self, eos: torch.Tensor) -> None:
@@ -70,6 +81,10 @@ class TalkerRows:
         if not self.finished:
             raise RuntimeError(f"rows up to {end} asked for; {self.num_rows} have arrived")
         return torch.cat([stored, self.pad.to(stored.dtype).expand(end - max(start, self.num_rows), -1)])
+
+    def from_items(self, start: int, end: int) -> torch.Tensor:
+        flags = self._from_items[start:min(end, self.num_rows)]
+        return torch.cat([flags, flags.new_zeros(end - max(start, self.num_rows))]) if end > self.num_rows else flags
 
 
 class _TalkerPositions:
@@ -97,17 +112,91 @@ class TalkerRunner(ModelRunner):
 
     def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
                           batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codec embeddings (none over the thinker's prompt) plus each position's row."""
+        """Codec embeddings (none over the thinker's prompt rows) plus each position's row, as
+        the talker takes it (`rows_input`)."""
         embeds = self.embed_tokens(input_ids)
         for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
                                          batch.query_offsets.tolist()):
             stream = state.input_rows
-            rows = stream.rows(start, end).to(embeds.device, embeds.dtype)
             codec = embeds[0, q0:q0 + end - start]
             prompt_part = max(0, min(end, stream.num_prompt_rows) - start)
             codec[:prompt_part] = 0
-            embeds[0, q0:q0 + end - start] = codec + rows
+            self._generated_codec_rows(state, start, end, codec)
+            rows = stream.rows(start, end).to(embeds.device)
+            codec += self.model.rows_input(rows, stream.from_items(start, end).to(embeds.device)).to(embeds.dtype)
         return embeds, torch.zeros(embeds.shape[1], dtype=torch.bool, device=embeds.device)
+
+    def _generated_codec_rows(self, state: RunnerRequest, start: int, end: int, codec: torch.Tensor) -> None:
+        """A talker with code groups: positions after the prompt take their frame's input row."""
+
+
+class CodeGroupTalkerRunner(TalkerRunner):
+    """A talker that says a frame of codes a step (Qwen3-Omni): after each step its code
+    predictor says the rest of every new frame, from the talker's hidden state and the first
+    code just sampled, and keeps the frame (and its input row for the next position) in the
+    request's TalkerRows. Kept there, a preempted request recomputes without the predictor."""
+
+    def _forward(self, batch: PackedBatch, states: list[RunnerRequest]) -> torch.Tensor:
+        logits = super()._forward(batch, states)
+        self._sampling_states = [states[i] for i in batch.sample_rows]
+        return logits
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._sampling_states = []
+        output = super()._execute(sched)
+        if not self._sampling_states:
+            return output
+        rows = [i for i, state in enumerate(self._sampling_states) if self._says_a_frame(state)]
+        if not rows:
+            return output
+        states = [self._sampling_states[i] for i in rows]
+        hidden = self.model.kept_hidden[rows]
+        first = torch.tensor([state.token_ids[-1] for state in states], device=hidden.device)
+        with torch.inference_mode():
+            codes, frame_rows = self.model.predict_frames(hidden, first, lambda logits: _choose(logits, states))
+        for state, code0, rest, row in zip(states, first.tolist(), codes.tolist(), frame_rows):
+            state.input_rows.frames.append([code0, *rest])
+            state.input_rows.frame_rows.append(row)
+        return output
+
+    @staticmethod
+    def _says_a_frame(state: RunnerRequest) -> bool:
+        """Whether the code just sampled starts a frame. Not the end code; nor the last code a
+        code budget allows: generate predicts a frame's other codes when its first code is fed
+        back, which never happens to that one (its frame is not said: same codes as generate)."""
+        said = len(state.token_ids) - state.num_prompt_tokens
+        return (said > len(state.input_rows.frames) and said < state.sampling_params.max_tokens
+                and state.token_ids[-1] not in state.sampling_params.stop_token_ids)
+
+    def _generated_codec_rows(self, state: RunnerRequest, start: int, end: int, codec: torch.Tensor) -> None:
+        first = max(start, state.num_prompt_tokens)
+        if first < end:
+            frame_rows = state.input_rows.frame_rows
+            j = first - state.num_prompt_tokens
+            codec[first - start:] = torch.stack(frame_rows[j:j + end - first]).to(codec.dtype)
+
+
+def _choose(logits: torch.Tensor, states: list[RunnerRequest]) -> torch.Tensor:
+    """The code predictor's picks: greedy for a greedy talker, else sampled as generate samples
+    them (top-k 50, top-p 0.8), from each request's own generator."""
+    from engine.adapters.qwen3_omni_talker import PREDICTOR_TOP_K, PREDICTOR_TOP_P
+
+    picks = logits.argmax(-1)
+    for row, state in enumerate(states):
+        params = state.sampling_params
+        if params.greedy:
+            continue
+        stream = state.input_rows
+        if stream.generator is None:
+            stream.generator = torch.Generator()
+            stream.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        top = torch.topk(logits[row].cpu(), min(PREDICTOR_TOP_K, logits.shape[-1]))
+        probs = top.values.softmax(-1)
+        # Top-p: the fewest most likely codes whose mass reaches PREDICTOR_TOP_P.
+        keep = (probs.cumsum(-1) - probs) < PREDICTOR_TOP_P
+        probs = probs * keep
+        picks[row] = top.indices[torch.multinomial(probs / probs.sum(), 1, generator=stream.generator)[0]]
+    return picks
 
 
 class TalkerExecutor:
@@ -119,6 +208,8 @@ class TalkerExecutor:
         self.config = config
         self.model = spec.load_talker(dtype, device, ATTENTION_NAME)
         talker = self.model.config.talker_config
+        # Qwen3-Omni's talker keeps its decoder's sizes in a text config; Qwen2.5's at the top.
+        talker = getattr(talker, "text_config", talker)
         self.model_max_len = talker.max_position_embeddings
         self.vocab_size = talker.vocab_size
         self.is_accelerated = device.type == "cuda"
@@ -137,7 +228,8 @@ class TalkerExecutor:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         spec = self.kv_cache_spec
-        self.runner = TalkerRunner(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
+        runner_class = CodeGroupTalkerRunner if getattr(self.model, "num_code_groups", 1) > 1 else TalkerRunner
+        self.runner = runner_class(self.model, KVCacheShape(spec.num_layers, num_blocks, block_size,
                                                             spec.num_kv_heads, spec.head_dim, self.dtype),
                                    self.streams)
 

@@ -23,7 +23,7 @@ import zmq
 
 from engine import protocol
 from engine.array_frames import tensor_bytes
-from engine.thinker_rows import RowsChunk, ThinkerRowsFeed, talker_prompt_positions
+from engine.thinker_rows import RowsChunk, ThinkerRowsFeed
 
 logger = logging.getLogger("antiphon.decoder")
 
@@ -41,10 +41,10 @@ class ThinkerRowsSender:
 
     def add(self, request_id: str, message: protocol.EngineRequest) -> None:
         """Announce a spoken answer whose request the engine has just taken."""
-        positions, delta = talker_prompt_positions(self.adapter, len(message.prompt_token_ids),
-                                                   message.mm_placeholders)
-        header = protocol.StartSpeaking(speech=message.speech, num_prompt_tokens=len(message.prompt_token_ids),
-                                        has_positions=positions is not None, mrope_delta=delta)
+        prompt = self.adapter.talker_prompt(message.prompt_token_ids, message.mm_placeholders)
+        positions = prompt.mrope_positions
+        header = protocol.StartSpeaking(speech=message.speech, cut=prompt.cut, kept=prompt.kept, items=prompt.items,
+                                        has_positions=positions is not None, mrope_delta=prompt.mrope_delta)
         frames = [] if positions is None else [memoryview(np.ascontiguousarray(positions, dtype=np.int64)).cast("B")]
         self.speech_ids[request_id] = message.speech.speech_id
         self.feed.add(request_id, len(message.prompt_token_ids))

@@ -26,4 +26,19 @@ def adapter_for(model_path: Path, hf_config) -> ModelAdapter | None:
     return adapter_class(Path(model_path), hf_config) if adapter_class else None
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "adapter_for"]
+def talker_spec(model_path: Path, thinker_embeddings=None):
+    """The talker stage's spec of an omni checkpoint (its talker and codec), by family; the
+    thinker's embeddings are read from the checkpoint unless given."""
+    from transformers import AutoConfig
+
+    family = AutoConfig.from_pretrained(model_path).model_type
+    if family == "qwen2_5_omni":
+        from engine.adapters.qwen2_5_omni_talker import TalkerSpec as spec_class
+    elif family == "qwen3_omni_moe":
+        from engine.adapters.qwen3_omni_talker import Qwen3TalkerSpec as spec_class
+    else:
+        raise ValueError(f"{family} has no talker")
+    return spec_class.from_checkpoint(Path(model_path), thinker_embeddings)
+
+
+__all__ = ["ADAPTERS", "ModelAdapter", "adapter_for", "talker_spec"]

@@ -157,6 +157,11 @@ class ModelAdapter:
         final hidden states [T, H], its input embeddings [T, H] and which rows were items' [T]."""
         raise NotImplementedError(f"{self.family} has no talker")
 
+    def talker_prompt(self, prompt_token_ids: list[int], placeholders: list[MultiModalPlaceholder]):
+        """An omni model's: how its talker's prompt is made of this thinker prompt
+        (engine/thinker_rows.py TalkerPrompt)."""
+        raise NotImplementedError(f"{self.family} has no talker")
+
     def prompt_positions(self, num_prompt_tokens: int,
                          placeholders: list[MultiModalPlaceholder]) -> tuple[np.ndarray, int]:
         """M-RoPE families only: [3, num_prompt_tokens] int64 positions of the prompt and the

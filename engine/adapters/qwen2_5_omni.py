@@ -29,6 +29,7 @@ from engine.adapters.qwen2_vl import Qwen2VLAdapter
 from engine.audio_formats import resample
 from engine.media import MediaError
 from engine.mm_inputs import ProcessedItem
+from engine.thinker_rows import TalkerPrompt
 
 
 def audio_embedding_count(num_frames: int) -> int:
@@ -70,8 +71,8 @@ class OmniThinker(Qwen2_5OmniPreTrainedModel):
     forward(inputs_embeds, position_ids, logits_to_keep) -> .logits. Its towers are never
     built (the encoder process runs them), nor the talker or codec (their own stages).
 
-    `last_hidden_states` keeps the step's final hidden states (after the norm) for whoever
-    needs them next (an omni talker)."""
+    `talker_hidden_states` keeps the step's final hidden states (after the norm), which the
+    talker reads."""
 
     # The towers (under both key layouts) and the other stages are skipped on purpose.
     _keys_to_ignore_on_load_unexpected = [r"^talker\.", r"^token2wav\.", r"^thinker\.(model\.)?(visual|audio_tower)\."]
@@ -81,7 +82,7 @@ class OmniThinker(Qwen2_5OmniPreTrainedModel):
         # Built whole, then its towers dropped: the class owns the checkpoint's key renames.
         self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(config.thinker_config)
         del self.thinker.model.visual, self.thinker.model.audio_tower
-        self.last_hidden_states: torch.Tensor | None = None
+        self.talker_hidden_states: torch.Tensor | None = None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -94,7 +95,7 @@ class OmniThinker(Qwen2_5OmniPreTrainedModel):
                 logits_to_keep: torch.Tensor | int = 0, **kwargs) -> CausalLMOutputWithPast:
         hidden = self.thinker.model.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids,
                                                    use_cache=use_cache, **kwargs).last_hidden_state
-        self.last_hidden_states = hidden
+        self.talker_hidden_states = hidden
         kept = hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else hidden[:, logits_to_keep]
         return CausalLMOutputWithPast(logits=self.thinker.lm_head(kept))
 
@@ -182,6 +183,13 @@ class Qwen2_5OmniAdapter(Qwen2VLAdapter):
         thinker's last hidden state plus its layer-0 embedding, which is zero where an image,
         audio or video item stood (the talker hears the thinker's reading of it, not the item)."""
         return hidden_states + input_embeds.masked_fill(item_rows.unsqueeze(-1), 0)
+
+    def talker_prompt(self, prompt_token_ids: list[int], placeholders) -> TalkerPrompt:
+        """The talker hears the whole prompt, then the speaker's text-bos row, then the reply;
+        its positions are the thinker's plus two (those rows and the reply's first)."""
+        n = len(prompt_token_ids)
+        positions, delta = self.prompt_positions(n + 2, placeholders) if placeholders else (None, 0)
+        return TalkerPrompt(cut=n, kept=[(0, n)] if n else [], mrope_positions=positions, mrope_delta=delta)
 
     # ---- model side ----------------------------------------------------------------------
 

@@ -46,6 +46,12 @@ class OmniTalker(Qwen2_5OmniPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.talker.codec_head
 
+    def rows_input(self, rows: torch.Tensor, from_items: torch.Tensor) -> torch.Tensor:
+        """The thinker's rows as the talker adds them to its codec embeddings: as they are (the
+        projection to the talker's width follows the sum; an item's rows are already its
+        reading by the thinker, its embedding zeroed: Qwen2_5OmniAdapter.talker_rows)."""
+        return rows
+
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False,
                 logits_to_keep: torch.Tensor | int = 0, **kwargs) -> CausalLMOutputWithPast:
         talker = self.talker
@@ -80,6 +86,12 @@ class OmniCodec(Qwen2_5OmniPreTrainedModel):
                                  reference_mel=speaker["ref_mel"].to(device).float())
         return wav.reshape(-1).float().cpu()
 
+    def stream(self, speaker: dict, seed: int | None = None):
+        """An answer's audio as its codes come (engine/adapters/qwen2_5_omni_codec_stream.py)."""
+        from engine.adapters.qwen2_5_omni_codec_stream import CodecStream
+
+        return CodecStream(self, speaker, seed=seed)
+
 
 class ThinkerEmbeddings(Qwen2_5OmniPreTrainedModel):
     """The thinker's token embeddings alone, for a talker process that has no thinker: the
@@ -103,8 +115,9 @@ class TalkerSpec:
     """What the talker stage needs to know of the checkpoint: its special tokens, its speakers,
     the thinker embeddings its row stream uses, and how to load its two models."""
 
-    # Qwen2.5-Omni's codec makes 24 kHz audio.
+    # Qwen2.5-Omni's codec makes 24 kHz audio, a code at a time (no code groups).
     sample_rate = 24000
+    num_code_groups = 1
 
     def __init__(self, model_path: Path, hf_config, thinker_embeddings: nn.Module) -> None:
         self.model_path = Path(model_path)
@@ -134,8 +147,21 @@ class TalkerSpec:
         """The codes that end an answer (generate's talker_eos_token_id: pad and end)."""
         return (self.codec_pad, self.codec_eos)
 
-    def prompt_token_ids(self, num_thinker_prompt_tokens: int) -> list[int]:
-        return [self.codec_mask] * num_thinker_prompt_tokens + [self.codec_pad, self.codec_bos]
+    def talker_params(self, params):
+        """`params` for the talker: it stops at the codec's pad or end code, and never says its
+        codec-bos code (a bias of -100: transformers' suppress_tokens sets -inf, which OpenAI's
+        bias range excludes)."""
+        import msgspec
+
+        return msgspec.structs.replace(params, stop_token_ids=list(self.stop_token_ids),
+                                       logit_bias={**params.logit_bias, self.codec_bos: -100.0})
+
+    def prompt_token_ids(self, num_kept: int, speaker: str) -> list[int]:
+        return [self.codec_mask] * num_kept + [self.codec_pad, self.codec_bos]
+
+    def start_rows(self, speaker: str) -> torch.Tensor:
+        """The text rows between the prompt's rows and the reply's: the speaker's text-bos."""
+        return self.text_bos[speaker].unsqueeze(0)
 
     def load_talker(self, dtype: torch.dtype, device, attn_implementation: str) -> OmniTalker:
         model = load_weights_into(OmniTalker, self.model_path, dtype, device)

@@ -20,6 +20,7 @@ positions are M-RoPE with audio placed as text. What differs, and lives here:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,12 @@ from engine.adapters.base import load_weights_into
 from engine.adapters.qwen2_5_omni import Qwen2_5OmniAdapter
 from engine.media import MediaError
 from engine.mm_inputs import ProcessedItem
+from engine.thinker_rows import TalkerPrompt
+
+
+# The talker's prompt ends with six codec codes (no-think, think bos / eos, the speaker, pad,
+# bos) over its five start rows and the reply's first row.
+TALKER_START_CODES = 6
 
 
 def _convolved(num_frames: int) -> int:
@@ -98,7 +105,11 @@ class Qwen3OmniThinker(Qwen3OmniMoePreTrainedModel):
     """The thinker's language model and output layer, driven as the runner drives any model:
     forward(inputs_embeds, position_ids, logits_to_keep) -> .logits, with wide input rows
     (see the module docstring). Its towers are never built (the encoder process runs them),
-    nor the talker or code2wav."""
+    nor the talker or code2wav.
+
+    `talker_hidden_states` keeps the step's hidden states at the layer the talker reads
+    (talker_config.accept_hidden_layer, counted as transformers counts hidden_states: 0 is
+    the input, k the output of layer k - 1, before any deepstack level is added to it)."""
 
     # The towers (under both key layouts) and the other stages are skipped on purpose.
     _keys_to_ignore_on_load_unexpected = [r"^talker\.", r"^code2wav\.", r"^thinker\.(model\.)?(visual|audio_tower)\."]
@@ -110,7 +121,15 @@ class Qwen3OmniThinker(Qwen3OmniMoePreTrainedModel):
         del self.thinker.model.visual, self.thinker.model.audio_tower
         self.width = config.thinker_config.text_config.hidden_size
         self.levels = len(config.thinker_config.vision_config.deepstack_visual_indexes)
+        self.talker_layer = config.talker_config.accept_hidden_layer
+        self.talker_hidden_states: torch.Tensor | None = None
         self.post_init()
+        layers = self.thinker.model.language_model.layers
+        if 0 < self.talker_layer < len(layers):
+            layers[self.talker_layer - 1].register_forward_hook(self._keep_talker_hidden_states)
+
+    def _keep_talker_hidden_states(self, module, args, output) -> None:
+        self.talker_hidden_states = output[0] if isinstance(output, tuple) else output
 
     def get_input_embeddings(self) -> nn.Module:
         # A wrapper made per call, never a child module: the embedding's weight keeps one name.
@@ -129,6 +148,10 @@ class Qwen3OmniThinker(Qwen3OmniMoePreTrainedModel):
         hidden = self.thinker.model.language_model(
             inputs_embeds=rows, position_ids=position_ids, use_cache=use_cache, visual_pos_masks=every_row,
             deepstack_visual_embeds=list(levels), **kwargs).last_hidden_state
+        if self.talker_layer == 0:
+            self.talker_hidden_states = rows
+        elif self.talker_layer >= len(self.thinker.model.language_model.layers):
+            self.talker_hidden_states = hidden
         kept = hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else hidden[:, logits_to_keep]
         return CausalLMOutputWithPast(logits=self.thinker.lm_head(kept))
 
@@ -173,13 +196,48 @@ class Qwen3OmniAdapter(Qwen2_5OmniAdapter):
     def embedding_size(self) -> int:
         return self.hf_config.text_config.hidden_size * (1 + self.deepstack_levels)
 
-    def talker_row_width(self) -> None:
-        # Qwen3-Omni's talker (a code predictor and code2wav) is not served: the thinker speaks text.
-        return None
+    def talker_row_width(self) -> int:
+        return self.hf_config.text_config.hidden_size
 
     def talker_rows(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
                     item_rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("Qwen3-Omni's talker is not served")
+        """As Qwen3OmniMoeForConditionalGeneration.generate builds the talker's input: where an
+        image, clip or video stood, the thinker's hidden state at the talker's layer; elsewhere
+        the token's embedding (the talker projects each kind its own way)."""
+        width = self.talker_row_width()
+        return torch.where(item_rows.unsqueeze(-1), hidden_states, input_embeds[:, :width])
+
+    def talker_prompt(self, prompt_token_ids: list[int], placeholders) -> TalkerPrompt:
+        """The talker hears the prompt's user turns (each from its <|im_start|> to the next:
+        system turns and earlier answers are dropped) and the three rows that open the answer
+        (<|im_start|>assistant\n, the last such turn), then its own start rows, then the reply
+        from the position after those three on. Positions are M-RoPE over that sequence, as
+        transformers computes them over the talker's tokens. A prompt with no assistant turn
+        (not a chat) is heard whole."""
+        config = self.omni_config
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        n = len(ids)
+        starts = np.flatnonzero(ids[:-1] == config.im_start_token_id)
+        answers = [int(s) for s in starts if ids[s + 1] == config.assistant_token_id]
+        if answers:
+            cut = min(answers[-1] + 3, n)
+            bounds = [*(int(s) for s in starts), n]
+            kept = [(start, min(end, answers[-1])) for start, end in zip(bounds, bounds[1:])
+                    if ids[start + 1] == config.user_token_id and start < answers[-1]]
+            kept.append((answers[-1], cut))
+        else:
+            cut, kept = n, [(0, n)] if n else []
+        items = [(p.offset, p.end) for p in placeholders]
+        # Items in kept turns, at their offsets in the talker's sequence.
+        shifted, dropped, previous_end = [], 0, 0
+        for start, end in kept:
+            dropped += start - previous_end
+            previous_end = end
+            shifted += [dataclasses.replace(p, offset=p.offset - dropped) for p in placeholders
+                        if start <= p.offset and p.end <= end]
+        length = sum(end - start for start, end in kept) + TALKER_START_CODES
+        positions, delta = self.prompt_positions(length, shifted) if shifted else (None, 0)
+        return TalkerPrompt(cut=cut, kept=kept, items=items, mrope_positions=positions, mrope_delta=delta)
 
     # ---- model side ----------------------------------------------------------------------
 
