@@ -151,6 +151,7 @@ class LLM:
         if self._speech is None:
             self._speech = OmniSpeech(self.engine)
         speech = self._speech
+        voice = speech.stage.voice(voice)
         talker_params = (speech.talker_params(talker_params) if talker_params is not None
                          else speech.stage.default_params(self.engine.config.max_spoken_codes))
         try:

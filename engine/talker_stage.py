@@ -106,8 +106,17 @@ class TalkerStage:
         """Raises ValueError if `add` would be refused, or the talker could never take the answer."""
         if speaker not in self.spec.speakers:
             raise ValueError(f"unknown voice {speaker!r}; this model has {', '.join(sorted(self.spec.speakers))}")
-        probe = Request("probe", self.spec.prompt_token_ids(prompt.num_kept, speaker), talker_params)
-        self.talker.check_request(probe)
+        prompt.validate()
+        prompt_ids = self.spec.prompt_token_ids(prompt.num_kept, speaker)
+        positions = prompt.mrope_positions
+        if positions is not None and positions.shape != (3, len(prompt_ids)):
+            raise ValueError(f"talker prompt positions of shape {positions.shape} for a prompt of {len(prompt_ids)}")
+        self.talker.check_request(Request("probe", prompt_ids, talker_params))
+
+    def voice(self, name: str) -> str:
+        """The model's speaker named `name`, whatever its case (transformers lowercases it)."""
+        matches = [speaker for speaker in self.spec.speakers if speaker.casefold() == name.casefold()]
+        return matches[0] if matches else name
 
     def add(self, request_id: str, prompt: TalkerPrompt, speaker: str, talker_params: SamplingParams) -> None:
         """Expect the rows of a checked answer; `talker_params` as `talker_params()` made them,
@@ -156,9 +165,9 @@ class TalkerStage:
         cut = answer.prompt.cut
         if start < cut:
             below = rows[:cut - start]
-            kept, items = (torch.from_numpy(mask[start:start + below.shape[0]]) for mask in answer.prompt.masks())
-            if bool(kept.any()):
-                answer.rows.append(below[kept], items[kept])
+            kept = answer.prompt.kept_rows(start, below)
+            if kept is not None:
+                answer.rows.append(*kept)
             rows = rows[below.shape[0]:]
         if answer.thinker_rows >= cut and not answer.start_rows_in:
             # The talker's own start rows sit between the prompt's rows and the reply's.

@@ -51,14 +51,33 @@ class TalkerPrompt:
     def num_kept(self) -> int:
         return sum(end - start for start, end in self.kept)
 
-    def masks(self) -> tuple[np.ndarray, np.ndarray]:
-        """[cut] bools: which thinker positions below the cut are kept, which are items'."""
-        kept, items = np.zeros(self.cut, dtype=bool), np.zeros(self.cut, dtype=bool)
-        for start, end in self.kept:
-            kept[start:end] = True
-        for start, end in self.items:
-            items[start:min(end, self.cut)] = True
-        return kept, items
+    def validate(self) -> None:
+        """Raises ValueError unless the ranges are well formed: kept ranges sorted, apart and
+        below the cut; item ranges sorted and apart (a peer's message is checked, not trusted)."""
+        for name, ranges, limit in (("kept", self.kept, self.cut), ("items", self.items, None)):
+            previous_end = 0
+            for start, end in ranges:
+                if not (isinstance(start, int) and isinstance(end, int) and previous_end <= start < end
+                        and (limit is None or end <= limit)):
+                    raise ValueError(f"talker prompt {name} range {start}..{end} is out of order or out of range")
+                previous_end = end
+
+    def kept_rows(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Of `rows` (thinker positions from `start` on, below the cut), the kept ones and their
+        item flags; None if none is kept."""
+        end = start + rows.shape[0]
+        pieces, flags = [], []
+        for kept_start, kept_end in self.kept:
+            lo, hi = max(kept_start, start), min(kept_end, end)
+            if lo >= hi:
+                continue
+            pieces.append(rows[lo - start:hi - start])
+            flag = torch.zeros(hi - lo, dtype=torch.bool)
+            for item_start, item_end in self.items:
+                if item_start < hi and lo < item_end:
+                    flag[max(item_start, lo) - lo:min(item_end, hi) - lo] = True
+            flags.append(flag)
+        return (torch.cat(pieces), torch.cat(flags)) if pieces else None
 
 
 class ThinkerRowsFeed:

@@ -48,6 +48,14 @@ def expected(tiny):
             for text, images, clips in CASES]
 
 
+@pytest.fixture(scope="module")
+def speaking(tiny):
+    """An LLM whose talker stage is loaded (it loads with the first spoken answer)."""
+    llm = LLM(str(tiny), quantization="none", omni_speech=True)
+    llm.generate(as_prompt(*CASES[0]), SamplingParams(max_tokens=1), voice="ethan")
+    return llm
+
+
 def speak(llm: LLM, cases=CASES) -> list:
     return llm.generate([as_prompt(*case) for case in cases], TEXT, voice="ethan", talker_params=TALKER)
 
@@ -93,7 +101,30 @@ def test_a_talker_that_ends_at_its_code_budget_or_end_code(tiny):
     ended, = llm.generate(as_prompt(*CASES[0]), TEXT, voice="chelsie", talker_params=SamplingParams(
         temperature=0, max_tokens=MAX_CODES, logit_bias={CODEC_EOS: 100.0}))
     assert ended.codec_token_ids == [] and ended.audio.size == 0
+    # ignore_eos does not keep a talker past its end code; a voice is found whatever its case.
+    ignored, = llm.generate(as_prompt(*CASES[0]), TEXT, voice="Chelsie", talker_params=SamplingParams(
+        temperature=0, max_tokens=MAX_CODES, ignore_eos=True, logit_bias={CODEC_EOS: 100.0}))
+    assert ignored.codec_token_ids == [] and ignored.error is None
     assert not llm._speech.answers and llm._speech.talker.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("kept,items,positions,message", [
+    ([(4, 2), (5, 9)], [], None, "kept range 4..2"),
+    ([(0, 5), (3, 9)], [], None, "kept range 3..9"),
+    ([(0, 50)], [], None, "kept range 0..50"),
+    ([(0, 9)], [(-4, 2)], None, "items range -4..2"),
+    ([(0, 9)], [], np.zeros((3, 4), dtype=np.int64), "positions of shape"),
+])
+def test_a_malformed_talker_prompt_is_refused(speaking, kept, items, positions, message):
+    # What the talker process checks of a StartSpeaking from the decoder: ranges in order and
+    # below the cut, positions as long as the talker's prompt; a bad one is an error, never a
+    # talker step on rows at the wrong positions.
+    from engine.thinker_rows import TalkerPrompt
+
+    stage = speaking._speech.stage
+    prompt = TalkerPrompt(cut=10, kept=kept, items=items, mrope_positions=positions)
+    with pytest.raises(ValueError, match=message):
+        stage.check("ethan", prompt, stage.default_params(8))
 
 
 def test_streamed_speech_is_the_answer_s_frames_through_code2wav_in_chunks(tiny):

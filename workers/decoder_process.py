@@ -148,15 +148,18 @@ class DecoderWorker:
 
     def _add(self, message: protocol.EngineRequest) -> None:
         try:
-            if message.speech is not None and self.rows_sender is None:
-                raise ValueError("this model does not speak its answers (an omni model with voice on does)")
+            talker_prompt = None
+            if message.speech is not None:
+                if self.rows_sender is None:
+                    raise ValueError("this model does not speak its answers (an omni model with voice on does)")
+                talker_prompt = self.rows_sender.talker_prompt(message)
             self.core.add_request(to_request(message))
             self._awaiting_first.add(message.request_id)
         except ValueError as exc:
             self._send([protocol.RequestDelta(message.request_id, [], "error", error=str(exc))])
             return
-        if message.speech is not None:
-            self.rows_sender.add(message.request_id, message)
+        if talker_prompt is not None:
+            self.rows_sender.add(message.request_id, message, talker_prompt)
 
     def _step(self) -> bool:
         """Runs one engine step and sends its outputs; True if some request got its first token."""

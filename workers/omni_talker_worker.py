@@ -123,6 +123,8 @@ class OmniTalkerWorker:
         try:
             positions = None
             if message.has_positions:
+                if not frames:
+                    raise ValueError("the talker prompt's positions are missing")
                 positions = np.frombuffer(frames[0], dtype=np.int64).reshape(3, -1).copy()
             prompt = TalkerPrompt(cut=message.cut, kept=[tuple(r) for r in message.kept],
                                   items=[tuple(r) for r in message.items], mrope_positions=positions,

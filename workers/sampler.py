@@ -120,7 +120,7 @@ def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     if any(r.params.min_p > 0 for r in rows):
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
@@ -140,7 +140,7 @@ def _sample_mixed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab, device = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)

@@ -21,6 +21,7 @@ from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.batch_planning import PackedBatch, RunnerRequest
 from workers.model_runner import KVCacheShape, ModelRunner
 from workers.paged_attention import ATTENTION_NAME
+from workers.sampler import filter_top_k_top_p
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TalkerRows:
     Rows are kept in one buffer that grows by a quarter when full (appends cost their own rows
     only, amortized; at most a quarter of the buffer unused), with a flag per row: whether it
     is an item's (the thinker's reading of an image or clip). A talker with code groups also
-    keeps here each frame it said (`frames`) and the frame's input row (`frame_rows`)."""
+    keeps here each frame it said (`frames`)."""
 
     num_prompt_rows: int
     pad: torch.Tensor
@@ -42,7 +43,6 @@ class TalkerRows:
     num_rows: int = 0
     finished: bool = False
     frames: list[list[int]] = field(default_factory=list)
-    frame_rows: list[torch.Tensor] = field(default_factory=list, repr=False)
     # The code predictor's random draws when the talker samples (seeded as the request is).
     generator: torch.Generator | None = field(default=None, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
@@ -113,28 +113,36 @@ class TalkerRunner(ModelRunner):
     def _input_embeddings(self, input_ids: torch.Tensor, states: list[RunnerRequest],
                           batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Codec embeddings (none over the thinker's prompt rows) plus each position's row, as
-        the talker takes it (`rows_input`)."""
+        the talker takes it (`rows_input`, once for the step's rows)."""
         embeds = self.embed_tokens(input_ids)
+        codec = embeds[0]
+        rows, flags = [], []
         for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
                                          batch.query_offsets.tolist()):
             stream = state.input_rows
-            codec = embeds[0, q0:q0 + end - start]
             prompt_part = max(0, min(end, stream.num_prompt_rows) - start)
-            codec[:prompt_part] = 0
-            self._generated_codec_rows(state, start, end, codec)
-            rows = stream.rows(start, end).to(embeds.device)
-            codec += self.model.rows_input(rows, stream.from_items(start, end).to(embeds.device)).to(embeds.dtype)
+            codec[q0:q0 + prompt_part] = 0
+            rows.append(stream.rows(start, end))
+            flags.append(stream.from_items(start, end))
+        self._generated_codec_rows(states, batch, codec)
+        order = torch.cat([torch.arange(q0, q0 + end - start) for start, end, q0 in
+                           zip(batch.starts.tolist(), batch.ends.tolist(), batch.query_offsets.tolist())])
+        flags = torch.cat(flags)
+        projected = self.model.rows_input(torch.cat(rows).to(embeds.device),
+                                          flags.to(embeds.device) if bool(flags.any()) else None)
+        codec[order.to(embeds.device)] += projected.to(embeds.dtype)
         return embeds, torch.zeros(embeds.shape[1], dtype=torch.bool, device=embeds.device)
 
-    def _generated_codec_rows(self, state: RunnerRequest, start: int, end: int, codec: torch.Tensor) -> None:
+    def _generated_codec_rows(self, states: list[RunnerRequest], batch: PackedBatch, codec: torch.Tensor) -> None:
         """A talker with code groups: positions after the prompt take their frame's input row."""
 
 
 class CodeGroupTalkerRunner(TalkerRunner):
     """A talker that says a frame of codes a step (Qwen3-Omni): after each step its code
     predictor says the rest of every new frame, from the talker's hidden state and the first
-    code just sampled, and keeps the frame (and its input row for the next position) in the
-    request's TalkerRows. Kept there, a preempted request recomputes without the predictor."""
+    code just sampled, and keeps the frame in the request's TalkerRows; the frame's codes,
+    embedded and summed, are the talker's input at the next position. Kept there, a preempted
+    request recomputes without the predictor."""
 
     def _forward(self, batch: PackedBatch, states: list[RunnerRequest]) -> torch.Tensor:
         logits = super()._forward(batch, states)
@@ -144,8 +152,6 @@ class CodeGroupTalkerRunner(TalkerRunner):
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._sampling_states = []
         output = super()._execute(sched)
-        if not self._sampling_states:
-            return output
         rows = [i for i, state in enumerate(self._sampling_states) if self._says_a_frame(state)]
         if not rows:
             return output
@@ -153,10 +159,10 @@ class CodeGroupTalkerRunner(TalkerRunner):
         hidden = self.model.kept_hidden[rows]
         first = torch.tensor([state.token_ids[-1] for state in states], device=hidden.device)
         with torch.inference_mode():
-            codes, frame_rows = self.model.predict_frames(hidden, first, lambda logits: _choose(logits, states))
-        for state, code0, rest, row in zip(states, first.tolist(), codes.tolist(), frame_rows):
+            codes = self.model.predict_frames(hidden, first, PredictorSampling(states, self.model.num_code_groups,
+                                                                              hidden.device))
+        for state, code0, rest in zip(states, first.tolist(), codes.tolist()):
             state.input_rows.frames.append([code0, *rest])
-            state.input_rows.frame_rows.append(row)
         return output
 
     @staticmethod
@@ -168,35 +174,56 @@ class CodeGroupTalkerRunner(TalkerRunner):
         return (said > len(state.input_rows.frames) and said < state.sampling_params.max_tokens
                 and state.token_ids[-1] not in state.sampling_params.stop_token_ids)
 
-    def _generated_codec_rows(self, state: RunnerRequest, start: int, end: int, codec: torch.Tensor) -> None:
-        first = max(start, state.num_prompt_tokens)
-        if first < end:
-            frame_rows = state.input_rows.frame_rows
-            j = first - state.num_prompt_tokens
-            codec[first - start:] = torch.stack(frame_rows[j:j + end - first]).to(codec.dtype)
+    def _generated_codec_rows(self, states: list[RunnerRequest], batch: PackedBatch, codec: torch.Tensor) -> None:
+        frames, places = [], []
+        for state, start, end, q0 in zip(states, batch.starts.tolist(), batch.ends.tolist(),
+                                         batch.query_offsets.tolist()):
+            first = max(start, state.num_prompt_tokens)
+            if first < end:
+                j = first - state.num_prompt_tokens
+                frames += state.input_rows.frames[j:j + end - first]
+                places += range(q0 + first - start, q0 + end - start)
+        if frames:
+            rows = self.model.frame_rows(torch.tensor(frames, device=codec.device))
+            codec[torch.tensor(places, device=codec.device)] = rows.to(codec.dtype)
 
 
-def _choose(logits: torch.Tensor, states: list[RunnerRequest]) -> torch.Tensor:
-    """The code predictor's picks: greedy for a greedy talker, else sampled as generate samples
-    them (top-k 50, top-p 0.8), from each request's own generator."""
-    from engine.adapters.qwen3_omni_talker import PREDICTOR_TOP_K, PREDICTOR_TOP_P
+class PredictorSampling:
+    """The code predictor's picks for one step's frames: greedy for a greedy talker, else
+    sampled as generate samples them (top-k 50, top-p 0.8, temperature 1), each answer's draws
+    from its own generator (seeded as its request is), drawn up front so that picking needs no
+    sync with the device."""
 
-    picks = logits.argmax(-1)
-    for row, state in enumerate(states):
-        params = state.sampling_params
-        if params.greedy:
-            continue
-        stream = state.input_rows
-        if stream.generator is None:
-            stream.generator = torch.Generator()
-            stream.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        top = torch.topk(logits[row].cpu(), min(PREDICTOR_TOP_K, logits.shape[-1]))
-        probs = top.values.softmax(-1)
-        # Top-p: the fewest most likely codes whose mass reaches PREDICTOR_TOP_P.
-        keep = (probs.cumsum(-1) - probs) < PREDICTOR_TOP_P
-        probs = probs * keep
-        picks[row] = top.indices[torch.multinomial(probs / probs.sum(), 1, generator=stream.generator)[0]]
-    return picks
+    def __init__(self, states: list[RunnerRequest], num_code_groups: int, device: torch.device) -> None:
+        self.sampled = [i for i, state in enumerate(states) if not state.sampling_params.greedy]
+        self.uniforms = None
+        if self.sampled:
+            draws = []
+            for i in self.sampled:
+                stream, params = states[i].input_rows, states[i].sampling_params
+                if stream.generator is None:
+                    stream.generator = torch.Generator()
+                    if params.seed is not None:
+                        stream.generator.manual_seed(params.seed)
+                    else:
+                        stream.generator.seed()
+                draws.append(torch.rand(num_code_groups - 1, generator=stream.generator))
+            self.uniforms = torch.stack(draws).to(device)
+            self.rows = torch.tensor(self.sampled, device=device)
+
+    def __call__(self, group: int, logits: torch.Tensor) -> torch.Tensor:
+        from engine.adapters.qwen3_omni_talker import PREDICTOR_TOP_K, PREDICTOR_TOP_P
+
+        picks = logits.argmax(-1)
+        if self.uniforms is None:
+            return picks
+        rows = len(self.sampled)
+        filtered = filter_top_k_top_p(logits[self.rows], [PREDICTOR_TOP_K] * rows, [PREDICTOR_TOP_P] * rows)
+        cdf = filtered.softmax(-1).cumsum(-1)
+        # Inverse CDF: the first code whose cumulative mass exceeds the draw.
+        drawn = (cdf <= self.uniforms[:, group:group + 1] * cdf[:, -1:]).sum(-1).clamp_(max=logits.shape[-1] - 1)
+        picks[self.rows] = drawn
+        return picks
 
 
 class TalkerExecutor:

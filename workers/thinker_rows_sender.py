@@ -23,7 +23,7 @@ import zmq
 
 from engine import protocol
 from engine.array_frames import tensor_bytes
-from engine.thinker_rows import RowsChunk, ThinkerRowsFeed
+from engine.thinker_rows import RowsChunk, TalkerPrompt, ThinkerRowsFeed
 
 logger = logging.getLogger("antiphon.decoder")
 
@@ -39,9 +39,18 @@ class ThinkerRowsSender:
         # Thinker request id -> the talker's id of its answer.
         self.speech_ids: dict[str, str] = {}
 
-    def add(self, request_id: str, message: protocol.EngineRequest) -> None:
-        """Announce a spoken answer whose request the engine has just taken."""
-        prompt = self.adapter.talker_prompt(message.prompt_token_ids, message.mm_placeholders)
+    def talker_prompt(self, message: protocol.EngineRequest) -> TalkerPrompt:
+        """How the answer's talker prompt is made of its prompt; ValueError if it cannot be."""
+        try:
+            prompt = self.adapter.talker_prompt(message.prompt_token_ids, message.mm_placeholders)
+            prompt.validate()
+        except Exception as exc:  # noqa: BLE001 - one answer refused, never the decoder down
+            raise ValueError(f"the answer cannot be spoken: {exc}") from exc
+        return prompt
+
+    def add(self, request_id: str, message: protocol.EngineRequest, prompt: TalkerPrompt) -> None:
+        """Announce a spoken answer whose request the engine has just taken (`prompt` as
+        `talker_prompt` made it)."""
         positions = prompt.mrope_positions
         header = protocol.StartSpeaking(speech=message.speech, cut=prompt.cut, kept=prompt.kept, items=prompt.items,
                                         has_positions=positions is not None, mrope_delta=prompt.mrope_delta)

@@ -46,7 +46,7 @@ class OmniTalker(Qwen2_5OmniPreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.talker.codec_head
 
-    def rows_input(self, rows: torch.Tensor, from_items: torch.Tensor) -> torch.Tensor:
+    def rows_input(self, rows: torch.Tensor, from_items: torch.Tensor | None) -> torch.Tensor:
         """The thinker's rows as the talker adds them to its codec embeddings: as they are (the
         projection to the talker's width follows the sum; an item's rows are already its
         reading by the thinker, its embedding zeroed: Qwen2_5OmniAdapter.talker_rows)."""
@@ -148,12 +148,12 @@ class TalkerSpec:
         return (self.codec_pad, self.codec_eos)
 
     def talker_params(self, params):
-        """`params` for the talker: it stops at the codec's pad or end code, and never says its
-        codec-bos code (a bias of -100: transformers' suppress_tokens sets -inf, which OpenAI's
-        bias range excludes)."""
+        """`params` for the talker: it stops at the codec's pad or end code (whatever `ignore_eos`
+        said), and never says its codec-bos code (a bias of -100: transformers' suppress_tokens
+        sets -inf, which OpenAI's bias range excludes)."""
         import msgspec
 
-        return msgspec.structs.replace(params, stop_token_ids=list(self.stop_token_ids),
+        return msgspec.structs.replace(params, stop_token_ids=list(self.stop_token_ids), ignore_eos=False,
                                        logit_bias={**params.logit_bias, self.codec_bos: -100.0})
 
     def prompt_token_ids(self, num_kept: int, speaker: str) -> list[int]:

@@ -227,14 +227,18 @@ class Qwen3OmniAdapter(Qwen2_5OmniAdapter):
             kept.append((answers[-1], cut))
         else:
             cut, kept = n, [(0, n)] if n else []
+        placeholders = sorted(placeholders, key=lambda p: p.offset)
         items = [(p.offset, p.end) for p in placeholders]
-        # Items in kept turns, at their offsets in the talker's sequence.
-        shifted, dropped, previous_end = [], 0, 0
+        # Items in kept turns, at their offsets in the talker's sequence (one pass over both).
+        shifted, dropped, previous_end, index = [], 0, 0, 0
         for start, end in kept:
             dropped += start - previous_end
             previous_end = end
-            shifted += [dataclasses.replace(p, offset=p.offset - dropped) for p in placeholders
-                        if start <= p.offset and p.end <= end]
+            while index < len(placeholders) and placeholders[index].offset < start:
+                index += 1
+            while index < len(placeholders) and placeholders[index].end <= end:
+                shifted.append(dataclasses.replace(placeholders[index], offset=placeholders[index].offset - dropped))
+                index += 1
         length = sum(end - start for start, end in kept) + TALKER_START_CODES
         positions, delta = self.prompt_positions(length, shifted) if shifted else (None, 0)
         return TalkerPrompt(cut=cut, kept=kept, items=items, mrope_positions=positions, mrope_delta=delta)

@@ -70,16 +70,6 @@ class Qwen3OmniTalker(Qwen3OmniMoePreTrainedModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.talker.codec_head
 
-    def rows_input(self, rows: torch.Tensor, from_items: torch.Tensor) -> torch.Tensor:
-        """The thinker's rows [T, thinker width] at the talker's width: an item's rows (the
-        thinker's reading of an image or clip) through hidden_projection, text through
-        text_projection."""
-        rows = rows.to(self.talker.codec_head.weight.dtype)
-        projected = self.talker.text_projection(rows)
-        if bool(from_items.any()):
-            projected[from_items] = self.talker.hidden_projection(rows[from_items])
-        return projected
-
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False,
                 logits_to_keep: torch.Tensor | int = 0, **kwargs) -> CausalLMOutputWithPast:
         hidden = self.talker.model(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=use_cache,
@@ -92,25 +82,38 @@ class Qwen3OmniTalker(Qwen3OmniMoePreTrainedModel):
         logits[..., self.codec_eos] = eos
         return CausalLMOutputWithPast(logits=logits)
 
-    def predict_frames(self, hidden: torch.Tensor, first_codes: torch.Tensor,
-                       choose) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_frames(self, hidden: torch.Tensor, first_codes: torch.Tensor, choose) -> torch.Tensor:
         """Each row's frame, from the talker's hidden state [B, D] where it said its first code
-        [B]: the other codes [B, num_code_groups - 1] (`choose(logits [B, V]) -> [B]` picks
-        each), and the frame's input row for the talker's next position [B, D] (every code's
-        embedding, summed as generate sums them)."""
+        [B]: the other codes [B, num_code_groups - 1], `choose(group, logits [B, V]) -> [B]`
+        picking each."""
         predictor = self.talker.code_predictor
-        embeddings = [self.talker.model.codec_embedding(first_codes)]
+        first = self.talker.model.codec_embedding(first_codes)
         cache = DynamicCache(config=predictor.config)
-        inputs = torch.stack([hidden.to(embeddings[0].dtype), embeddings[0]], dim=1)
+        inputs = torch.stack([hidden.to(first.dtype), first], dim=1)
         codes = []
         for group in range(self.num_code_groups - 1):
             out = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
-            code = choose(predictor.lm_head[group](out.last_hidden_state[:, -1]).float())
-            codes.append(code)
-            embeddings.append(predictor.model.codec_embedding[group](code))
-            inputs = embeddings[-1].unsqueeze(1)
-        frame_rows = torch.stack(embeddings, dim=1).sum(1)
-        return torch.stack(codes, dim=1), frame_rows
+            codes.append(choose(group, predictor.lm_head[group](out.last_hidden_state[:, -1]).float()))
+            inputs = predictor.model.codec_embedding[group](codes[-1]).unsqueeze(1)
+        return torch.stack(codes, dim=1)
+
+    def frame_rows(self, frames: torch.Tensor) -> torch.Tensor:
+        """The talker's input row after each frame [N, num_code_groups]: every code's
+        embedding, summed as generate sums them [N, D]."""
+        embeddings = [self.talker.model.codec_embedding(frames[:, 0])]
+        embeddings += [table(frames[:, group + 1])
+                       for group, table in enumerate(self.talker.code_predictor.model.codec_embedding)]
+        return torch.stack(embeddings, dim=1).sum(1)
+
+    def rows_input(self, rows: torch.Tensor, from_items: torch.Tensor | None) -> torch.Tensor:
+        """The thinker's rows [T, thinker width] at the talker's width: an item's rows (the
+        thinker's reading of an image or clip; `from_items` flags them, None for none) through
+        hidden_projection, text through text_projection."""
+        rows = rows.to(self.talker.codec_head.weight.dtype)
+        projected = self.talker.text_projection(rows)
+        if from_items is not None:
+            projected[from_items] = self.talker.hidden_projection(rows[from_items])
+        return projected
 
 
 # Checkpoints keep each expert's weights apart; the talker's MoE layers hold them fused.
@@ -159,23 +162,29 @@ class Code2WavStream:
     def __init__(self, codec: Qwen3OmniCodec, first_chunk: int, chunk: int) -> None:
         self.codec = codec
         self.first_chunk, self.chunk = first_chunk, chunk
+        # The frames not decoded yet, after (up to) the left context's worth of decoded ones.
         self.frames: list[list[int]] = []
-        self.decoded = 0  # frames whose audio has been made
+        self.context = 0  # how many of `frames` are decoded (left context only)
+        self.decoded = 0  # frames whose audio has been made, in all
 
     def feed(self, frames: list[list[int]]) -> list[torch.Tensor]:
         self.frames.extend(frames)
         chunks = []
-        while len(self.frames) - self.decoded >= (self.chunk if self.decoded else self.first_chunk):
-            chunks.append(self._decode(self.decoded + (self.chunk if self.decoded else self.first_chunk)))
+        while len(self.frames) - self.context >= (self.chunk if self.decoded else self.first_chunk):
+            chunks.append(self._decode(self.chunk if self.decoded else self.first_chunk))
         return chunks
 
     def finish(self) -> torch.Tensor:
-        return self._decode(len(self.frames)) if len(self.frames) > self.decoded else torch.zeros(0)
+        pending = len(self.frames) - self.context
+        return self._decode(pending) if pending else torch.zeros(0)
 
-    def _decode(self, end: int) -> torch.Tensor:
-        context = min(LEFT_CONTEXT_FRAMES, self.decoded)
-        wav = self.codec.decode(self.frames[self.decoded - context:end], context)
-        self.decoded = end
+    def _decode(self, count: int) -> torch.Tensor:
+        wav = self.codec.decode(self.frames[:self.context + count], self.context)
+        self.decoded += count
+        # Only the left context of the next chunk is kept.
+        kept = min(LEFT_CONTEXT_FRAMES, self.context + count)
+        self.frames = self.frames[self.context + count - kept:]
+        self.context = kept
         return wav
 
 
@@ -237,8 +246,8 @@ class Qwen3TalkerSpec:
 
     def talker_params(self, params: SamplingParams) -> SamplingParams:
         """`params` for the talker: it stops at its end code (its other control codes are never
-        said: the model's logits rule them out)."""
-        return msgspec.structs.replace(params, stop_token_ids=list(self.stop_token_ids))
+        said: the model's logits rule them out), whatever `ignore_eos` said."""
+        return msgspec.structs.replace(params, stop_token_ids=list(self.stop_token_ids), ignore_eos=False)
 
     def prompt_token_ids(self, num_kept: int, speaker: str) -> list[int]:
         # The kept rows carry no codec code (pad here, a control code the talker never says,
