@@ -89,9 +89,13 @@ class EngineConfig:
     # The server turns it on for an omni model with voice on (its talker process speaks).
     omni_speech: bool = False
     hidden_state_store_gib: float | None = None
-    # The most codec tokens one spoken answer may take (at 50 a second: 82 s of speech), so a
-    # talker that never says its end code stops.
+    # The most codec tokens one spoken answer may take (Qwen2.5-Omni says 50 a second: 82 s of
+    # speech; Qwen3-Omni 12.5 frames a second), so a talker that never says its end code stops.
     max_spoken_codes: int = 4096
+    # CPU threads of the omni talker process's torch (None: a quarter of the cores, at least
+    # one; the decoder's steps run on the rest). torch's default, every core, would have both
+    # processes' thread pools spin on the same cores.
+    talker_threads: int | None = None
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
         if self.max_spoken_codes < 1:
             raise ValueError(f"max_spoken_codes must be >= 1, got {self.max_spoken_codes}")
+        if self.talker_threads is not None and self.talker_threads < 1:
+            raise ValueError(f"talker_threads must be >= 1, got {self.talker_threads}")
         if self.omni_speech:
             if self.async_scheduling:
                 raise ValueError("omni_speech reads the thinker's rows between steps: async_scheduling must be off")

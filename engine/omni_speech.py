@@ -74,7 +74,7 @@ class OmniSpeech:
         """Speak the answer of the thinker request `request_id` (added to the thinker, checked);
         `talker_params` as `talker_params()` made them."""
         self.stage.add(request_id, prompt, speaker, talker_params)
-        self.feed.add(request_id, len(prompt_token_ids))
+        self.feed.add(request_id, len(prompt_token_ids), prompt)
 
     def after_thinker_step(self, outputs) -> None:
         """Hand the rows of the positions the thinker just forwarded to the talker. An answer

@@ -159,8 +159,11 @@ class TalkerStage:
 
     def _append(self, answer: SpokenAnswer, start: int, rows: torch.Tensor) -> None:
         if start != answer.thinker_rows:
-            raise ValueError(f"rows of {answer.request_id} from position {start}; "
-                             f"{answer.thinker_rows} positions have arrived")
+            # Positions the talker never reads are not sent: a gap may skip those only.
+            if start < answer.thinker_rows or answer.prompt.reads_any(answer.thinker_rows, start):
+                raise ValueError(f"rows of {answer.request_id} from position {start}; "
+                                 f"{answer.thinker_rows} positions have arrived")
+            answer.thinker_rows = start
         answer.thinker_rows += rows.shape[0]
         cut = answer.prompt.cut
         if start < cut:

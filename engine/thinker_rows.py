@@ -62,6 +62,10 @@ class TalkerPrompt:
                     raise ValueError(f"talker prompt {name} range {start}..{end} is out of order or out of range")
                 previous_end = end
 
+    def reads_any(self, start: int, end: int) -> bool:
+        """Whether the talker reads any of the thinker positions start..end-1."""
+        return end > self.cut or any(s < end and start < e for s, e in self.kept)
+
     def kept_rows(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Of `rows` (thinker positions from `start` on, below the cut), the kept ones and their
         item flags; None if none is kept."""
@@ -83,26 +87,39 @@ class TalkerPrompt:
 class ThinkerRowsFeed:
     def __init__(self, runner) -> None:
         self.runner = runner  # a ModelRunner with a hidden-state store
-        # Answers being fed: thinker positions already handed over.
+        # Answers being fed: thinker positions already handed over (or skipped).
         self.sent: dict[str, int] = {}
-        # ... and their prompt's tokens plus the tokens sampled so far.
+        # ... their prompt's tokens plus the tokens sampled so far.
         self.num_tokens: dict[str, int] = {}
+        # ... and the prompt positions their talker never reads (sorted ranges; never sent).
+        self.skipped: dict[str, list[tuple[int, int]]] = {}
 
-    def add(self, request_id: str, num_prompt_tokens: int) -> None:
+    def add(self, request_id: str, num_prompt_tokens: int, prompt: TalkerPrompt | None = None) -> None:
+        """Feed an answer; with its `prompt`, only the rows its talker reads are handed over."""
         self.sent[request_id] = 0
         self.num_tokens[request_id] = num_prompt_tokens
+        skipped, previous_end = [], 0
+        for start, end in (prompt.kept if prompt is not None else [(0, num_prompt_tokens)]):
+            if start > previous_end:
+                skipped.append((previous_end, start))
+            previous_end = end
+        if prompt is not None and prompt.cut > previous_end:
+            skipped.append((previous_end, prompt.cut))
+        self.skipped[request_id] = skipped
 
     def drop(self, request_id: str) -> None:
         self.sent.pop(request_id, None)
         self.num_tokens.pop(request_id, None)
+        self.skipped.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.sent
 
     def after_step(self, outputs) -> list[RowsChunk]:
-        """The rows of the positions the thinker just forwarded, per answer fed; an answer that
-        ended (finished, failed, aborted) gets its last chunk and is forgotten. `outputs`: the
-        step's outputs (anything with request_id, new_token_ids, finish_reason, error)."""
+        """The rows of the positions the thinker just forwarded, per answer fed (a chunk per run
+        of positions its talker reads); an answer that ended (finished, failed, aborted) gets
+        its last chunk and is forgotten. `outputs`: the step's outputs (anything with
+        request_id, new_token_ids, finish_reason, error)."""
         chunks = []
         for out in outputs:
             sent = self.sent.get(out.request_id)
@@ -116,24 +133,45 @@ class ThinkerRowsFeed:
             self.num_tokens[out.request_id] += len(out.new_token_ids)
             # Every token but the last sampled one has been forwarded.
             forwarded = self.num_tokens[out.request_id] - 1
-            rows = None
-            if forwarded > sent:
-                rows = self.runner.talker_rows(out.request_id, sent, forwarded)
-                if rows is None and out.finished:
-                    # Never expected (a finished request's own forward wrote all of its rows),
-                    # but an answer must end, not wait for rows that will never come.
-                    self.drop(out.request_id)
-                    chunks.append(RowsChunk(out.request_id, sent, None, ended=True,
-                                            error="the thinker's rows of the answer were never written"))
-                    continue
+            new = []
+            for start, end in self._read(out.request_id, sent, forwarded):
+                rows = self.runner.talker_rows(out.request_id, start, end)
                 if rows is None:
-                    continue  # a hit whose rows are not written yet: the next step has them
-                self.sent[out.request_id] = forwarded
+                    break  # a hit whose rows are not written yet: the next step has them
+                new.append(RowsChunk(out.request_id, start, rows))
+                self.sent[out.request_id] = end
+            else:
+                self.sent[out.request_id] = max(sent, forwarded)
+            if out.finished and self.sent[out.request_id] < forwarded:
+                # Never expected (a finished request's own forward wrote all of its rows),
+                # but an answer must end, not wait for rows that will never come.
+                self.drop(out.request_id)
+                chunks.append(RowsChunk(out.request_id, sent, None, ended=True,
+                                        error="the thinker's rows of the answer were never written"))
+                continue
             if out.finished:
                 self.drop(out.request_id)
-            if rows is not None or out.finished:
-                chunks.append(RowsChunk(out.request_id, sent, rows, ended=out.finished))
+                if new:
+                    new[-1].ended = True
+                else:
+                    new.append(RowsChunk(out.request_id, forwarded, None, ended=True))
+            chunks += new
         return chunks
+
+    def _read(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs of positions start..end-1 that are not skipped."""
+        runs = []
+        for skip_start, skip_end in self.skipped[request_id]:
+            if skip_end <= start:
+                continue
+            if skip_start >= end:
+                break
+            if skip_start > start:
+                runs.append((start, skip_start))
+            start = max(start, skip_end)
+        if start < end:
+            runs.append((start, end))
+        return runs
 
     def end(self, request_id: str) -> RowsChunk | None:
         """The last chunk of an answer whose text was cut short (a stop string, a client that

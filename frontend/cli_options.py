@@ -180,7 +180,9 @@ def _add_engine_options(group) -> None:
                                          "eighth of its bytes for Qwen2.5-Omni-7B); a pool that needs more is "
                                          "refused at start")
     engine.add("max_spoken_codes", "an omni model's spoken answers: the most codec tokens one answer's speech "
-                                   "may take (50 a second)")
+                                   "may take (Qwen2.5-Omni: 50 a second; Qwen3-Omni: 12.5 frames a second)")
+    engine.add("talker_threads", "an omni model's spoken answers on a CPU: the talker process's torch threads "
+                                 "(default: a quarter of the cores, at least one)")
     engine.add("tts_voice", "a Piper voice .onnx file, its .onnx.json beside it")
 
 

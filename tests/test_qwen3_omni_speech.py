@@ -179,3 +179,14 @@ def test_the_talker_prompt_keeps_user_turns_and_the_answer_s_start(tiny):
     # Both items are in the last user turn, and the talker's positions are M-RoPE.
     assert all(any(s <= p.offset and p.end <= e for s, e in prompt.kept) for p in request.mm_placeholders)
     assert prompt.mrope_positions is not None and prompt.mrope_positions.shape[1] == prompt.num_kept + 6
+
+
+def test_the_feed_hands_over_only_the_rows_the_talker_reads():
+    # A long system prompt or an earlier exchange never crosses to the talker process.
+    from engine.thinker_rows import TalkerPrompt, ThinkerRowsFeed
+
+    feed = ThinkerRowsFeed(runner=None)
+    feed.add("a", 20, TalkerPrompt(cut=12, kept=[(2, 5), (9, 12)]))
+    assert feed._read("a", 0, 25) == [(2, 5), (9, 25)]
+    assert feed._read("a", 3, 10) == [(3, 5), (9, 10)]
+    assert feed._read("a", 5, 9) == []

@@ -34,8 +34,8 @@ def omni(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(omni, tmp_path_factory):
-    process = ServerProcess(omni, "--max-spoken-codes", str(MAX_CODES), log_dir=tmp_path_factory.mktemp("logs"),
-                            voice=True)
+    process = ServerProcess(omni, "--max-spoken-codes", str(MAX_CODES), "--talker-threads", "1",
+                            log_dir=tmp_path_factory.mktemp("logs"), voice=True)
     yield process
     assert process.stop() == 0, process.log_text()
 
@@ -105,6 +105,7 @@ def test_a_spoken_answer_is_the_offline_llms_frames_through_code2wav(server, omn
     assert message["audio"]["transcript"] == offline.text
     samples, rate = read_wav(base64.b64decode(message["audio"]["data"]))
     assert rate == 24000 and samples.size == expected.size > 0
+    assert "on 1 CPU thread(s)" in server.log_text()  # --talker-threads
     np.testing.assert_allclose(samples, to_pcm16(expected).astype(np.float32) / 32767, atol=2 / 32767)
     # An unknown voice names the model's speakers.
     status, refused = post_json(server.url + "/v1/chat/completions", {**spoken_body("wav"), "audio": {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +50,14 @@ class Listener:
     codec: object = None  # its CodecStream, from its first codes on
 
 
+def talker_threads(config: EngineConfig) -> int:
+    """The talker's share of the CPU: its flag, else a quarter of the cores this process may
+    use, at least one (the decoder's steps need the rest)."""
+    if config.talker_threads is not None:
+        return config.talker_threads
+    return max(1, len(os.sched_getaffinity(0)) // 4)
+
+
 class OmniTalkerWorker:
     def __init__(self, config: EngineConfig, addresses: argparse.Namespace) -> None:
         self.config = config
@@ -64,6 +73,7 @@ class OmniTalkerWorker:
         self._codec = ThreadPoolExecutor(1, thread_name_prefix="codec")
 
     def load(self) -> None:
+        import torch
         from transformers import AutoConfig
 
         from engine.adapters import talker_spec
@@ -74,6 +84,8 @@ class OmniTalkerWorker:
         started = time.perf_counter()
         path = resolve_model_path(self.config.model)
         device = resolve_device(self.config.device)
+        if device.type == "cpu":
+            torch.set_num_threads(talker_threads(self.config))
         dtype = resolve_dtype(self.config.dtype, AutoConfig.from_pretrained(path), device)
         spec = talker_spec(path)
         # Its own pool, sized by the default rule for its (small) blocks; no prefix caching:
@@ -82,8 +94,8 @@ class OmniTalkerWorker:
             self.config, enable_prefix_caching=False, async_scheduling=False, encoder_cache_size=0,
             num_kv_blocks=None, kv_cache_memory_gib=None, max_model_len=None, omni_speech=False)
         self.stage = TalkerStage(spec, talker_config, device, dtype, rows_dtype=dtype)
-        logger.info("talker and codec of %s loaded in %.2f s; voices %s", path.name, time.perf_counter() - started,
-                    ", ".join(sorted(spec.speakers)))
+        logger.info("talker and codec of %s loaded in %.2f s on %d CPU thread(s); voices %s", path.name,
+                    time.perf_counter() - started, torch.get_num_threads(), ", ".join(sorted(spec.speakers)))
         self.loop.ready(voices=sorted(spec.speakers))
 
     def run(self) -> None:

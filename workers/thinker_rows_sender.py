@@ -56,7 +56,7 @@ class ThinkerRowsSender:
                                         has_positions=positions is not None, mrope_delta=prompt.mrope_delta)
         frames = [] if positions is None else [memoryview(np.ascontiguousarray(positions, dtype=np.int64)).cast("B")]
         self.speech_ids[request_id] = message.speech.speech_id
-        self.feed.add(request_id, len(message.prompt_token_ids))
+        self.feed.add(request_id, len(message.prompt_token_ids), prompt)
         if not self._send(header, frames):
             self._forget(request_id)
 
