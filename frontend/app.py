@@ -109,7 +109,11 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
         adapter = image_adapter(path)
         if engine_config.voice and adapter is not None and adapter.talker_row_width() is not None:
             speaks_itself(engine_config)
-        if engine_config.voice:
+        if engine_config.voice and engine_config.omni_speech:
+            logger.info("starting the decoder, encoder and talker processes (each imports torch and loads its "
+                        "part of %s: thinker, towers and Whisper for transcripts, talker and codec); --no-voice "
+                        "skips speech", path.name)
+        elif engine_config.voice:
             logger.info("starting the decoder, encoder and talker processes (the first two import torch and load "
                         "%s; the encoder also loads Whisper, the talker a Piper voice); --no-voice skips speech",
                         path.name)
