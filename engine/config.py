@@ -93,8 +93,8 @@ class EngineConfig:
     # speech; Qwen3-Omni 12.5 frames a second), so a talker that never says its end code stops.
     max_spoken_codes: int = 4096
     # CPU threads of the omni talker process's torch (None: a quarter of the cores, at least
-    # one; the decoder's steps run on the rest). torch's default, every core, would have both
-    # processes' thread pools spin on the same cores.
+    # one). torch's default, a thread per core, would add as many spinning threads as the
+    # decoder's own pool (which keeps torch's default) on the same cores.
     talker_threads: int | None = None
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The

@@ -54,6 +54,8 @@ class TalkerPrompt:
     def validate(self) -> None:
         """Raises ValueError unless the ranges are well formed: kept ranges sorted, apart and
         below the cut; item ranges sorted and apart (a peer's message is checked, not trusted)."""
+        if not (isinstance(self.cut, int) and self.cut >= 0):
+            raise ValueError(f"talker prompt cut {self.cut!r} is not a position")
         for name, ranges, limit in (("kept", self.kept, self.cut), ("items", self.items, None)):
             previous_end = 0
             for start, end in ranges:

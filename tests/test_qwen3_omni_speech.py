@@ -108,21 +108,22 @@ def test_a_talker_that_ends_at_its_code_budget_or_end_code(tiny):
     assert not llm._speech.answers and llm._speech.talker.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("kept,items,positions,message", [
-    ([(4, 2), (5, 9)], [], None, "kept range 4..2"),
-    ([(0, 5), (3, 9)], [], None, "kept range 3..9"),
-    ([(0, 50)], [], None, "kept range 0..50"),
-    ([(0, 9)], [(-4, 2)], None, "items range -4..2"),
-    ([(0, 9)], [], np.zeros((3, 4), dtype=np.int64), "positions of shape"),
+@pytest.mark.parametrize("cut,kept,items,positions,message", [
+    (10, [(4, 2), (5, 9)], [], None, "kept range 4..2"),
+    (10, [(0, 5), (3, 9)], [], None, "kept range 3..9"),
+    (10, [(0, 50)], [], None, "kept range 0..50"),
+    (10, [(0, 9)], [(-4, 2)], None, "items range -4..2"),
+    (10, [(0, 9)], [], np.zeros((3, 4), dtype=np.int64), "positions of shape"),
+    (-3, [], [], None, "cut -3"),
 ])
-def test_a_malformed_talker_prompt_is_refused(speaking, kept, items, positions, message):
+def test_a_malformed_talker_prompt_is_refused(speaking, cut, kept, items, positions, message):
     # What the talker process checks of a StartSpeaking from the decoder: ranges in order and
     # below the cut, positions as long as the talker's prompt; a bad one is an error, never a
     # talker step on rows at the wrong positions.
     from engine.thinker_rows import TalkerPrompt
 
     stage = speaking._speech.stage
-    prompt = TalkerPrompt(cut=10, kept=kept, items=items, mrope_positions=positions)
+    prompt = TalkerPrompt(cut=cut, kept=kept, items=items, mrope_positions=positions)
     with pytest.raises(ValueError, match=message):
         stage.check("ethan", prompt, stage.default_params(8))
 

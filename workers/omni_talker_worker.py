@@ -51,11 +51,22 @@ class Listener:
 
 
 def talker_threads(config: EngineConfig) -> int:
-    """The talker's share of the CPU: its flag, else a quarter of the cores this process may
-    use, at least one (the decoder's steps need the rest)."""
+    """The talker's threads on a CPU: its flag, else a quarter of the cores this process may
+    use, at least one (the decoder's steps want the cores too)."""
     if config.talker_threads is not None:
         return config.talker_threads
-    return max(1, len(os.sched_getaffinity(0)) // 4)
+    return max(1, usable_cores() // 4)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says; Python 3.13
+    counts them itself), else the machine's."""
+    counter = getattr(os, "process_cpu_count", None)
+    if counter is not None:
+        return counter() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class OmniTalkerWorker:

@@ -222,7 +222,9 @@ class PredictorSampling:
         cdf = filtered.softmax(-1).cumsum(-1)
         # Inverse CDF: the first code whose cumulative mass exceeds the draw.
         drawn = (cdf <= self.uniforms[:, group:group + 1] * cdf[:, -1:]).sum(-1).clamp_(max=logits.shape[-1] - 1)
-        picks[self.rows] = drawn
+        # A device's parallel cumsum may round a step down: never a code the filter removed.
+        removed = filtered.gather(-1, drawn.unsqueeze(-1)).squeeze(-1).isinf()
+        picks[self.rows] = torch.where(removed, filtered.argmax(-1), drawn)
         return picks
 
 
