@@ -17,6 +17,7 @@ Shrinking the real config needs care, and each rule below is one transformers 5.
 - num_code_groups agrees across talker, code predictor and code2wav (num_quantizers), and
   the code predictor's vocabulary is code2wav's codebook;
 - accept_hidden_layer (the thinker layer the talker reads) is below the thinker's depth;
+- the talker's expert weights, which 5.23 never initializes (they are drawn here);
 - three values 5.23 has no defaults for: talker_config.text_config.shared_expert_intermediate_size,
   talker_config.spatial_merge_size, thinker_config.vision_start_token_id.
 """
@@ -178,7 +179,15 @@ def save_tiny_qwen3_omni(folder: Path, seed: int = 0, sizes: Qwen3OmniSizes = Qw
     folder = Path(folder)
     tokenizer = build_qwen3_omni_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(_qwen3_omni_config(tokenizer, sizes))
+    config = _qwen3_omni_config(tokenizer, sizes)
+    model = Qwen3OmniMoeForConditionalGeneration(config)
+    # transformers 5.23 leaves the talker's expert weights as allocated (torch.empty): zeros or
+    # garbage, whatever the memory held. Drawn here like every other weight.
+    with torch.no_grad():
+        for layer in model.talker.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.normal_(0.0, config.talker_config.text_config.initializer_range)
+            experts.down_proj.normal_(0.0, config.talker_config.text_config.initializer_range)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     # One preprocessor_config.json for both processors, as the real checkpoint ships it: the
