@@ -3,6 +3,9 @@
 A block with ref_count 0 sits in the free queue but keeps its hash, so a later request
 with the same prefix can take it back. Allocation pops from the front of the queue (the
 least recently freed), evicting the block's hash at that moment.
+
+After `record_events()` the pool also keeps what entered and left its index since the last
+`take_events` (a data-parallel replica tells the front end's router, frontend/replica_router.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        # Hashes indexed and evicted since the last take_events; None when not recorded.
+        self._stored: list[bytes] | None = None
+        self._evicted: list[bytes] = []
+        self._cleared = False
 
     @property
     def num_usable_blocks(self) -> int:
@@ -87,11 +94,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self._stored is not None:
+            self._stored.append(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self._stored is not None:
+                    self._evicted.append(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -101,4 +112,23 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self._stored is not None:
+            self._stored.clear()
+            self._evicted.clear()
+            self._cleared = True
         return True
+
+    def record_events(self) -> None:
+        """From now on, keep what enters and leaves the index (only what is indexed after
+        this call: a replica records from its start, when the index is empty)."""
+        if self._stored is None:
+            self._stored = []
+
+    def take_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
+        """(stored, evicted, cleared) since the last call, or None when nothing changed (or
+        events are not recorded). `cleared`: the whole index was dropped before `stored`."""
+        if not (self._stored or self._evicted or self._cleared):
+            return None
+        events = (self._stored, self._evicted, self._cleared)
+        self._stored, self._evicted, self._cleared = [], [], False
+        return events

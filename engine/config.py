@@ -96,6 +96,12 @@ class EngineConfig:
     # one). torch's default, a thread per core, would add as many spinning threads as the
     # decoder's own pool (which keeps torch's default) on the same cores.
     talker_threads: int | None = None
+    # CPU threads of the decoder's torch (None: torch's default, a thread per core). Data
+    # parallel replicas on one machine split the cores between them.
+    decoder_threads: int | None = None
+    # The decoder tells the front end which KV blocks its prefix cache indexes and evicts, with
+    # every step's outputs (for the data-parallel router; set by the server, not a flag).
+    publish_cache_events: bool = False
     # How a CPU serves the linear layers (workers/cpu/linear_modes.py): "none" is exact, "bf16" and
     # "int8" read fewer bytes; "auto" picks the fastest mode within the quality bound. The
     # ANTIPHON_QUANTIZATION variable sets the default (the test suite sets "none").
@@ -143,8 +149,9 @@ class EngineConfig:
             raise ValueError(f"hidden_state_store_gib must be > 0, got {self.hidden_state_store_gib}")
         if self.max_spoken_codes < 1:
             raise ValueError(f"max_spoken_codes must be >= 1, got {self.max_spoken_codes}")
-        if self.talker_threads is not None and self.talker_threads < 1:
-            raise ValueError(f"talker_threads must be >= 1, got {self.talker_threads}")
+        for name in ("talker_threads", "decoder_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.omni_speech:
             if self.async_scheduling:
                 raise ValueError("omni_speech reads the thinker's rows between steps: async_scheduling must be off")

@@ -189,9 +189,20 @@ class EngineStatsSnapshot(msgspec.Struct, kw_only=True):
     encoder_cache_budget: int = 0
 
 
+class PrefixCacheChanges(msgspec.Struct, array_like=True):
+    """A data-parallel replica's prefix-cache index since its last StepOutputs: block hashes
+    (engine/block_hash.py) that entered and left it; `cleared`: it was dropped before `stored`."""
+
+    stored: list[bytes]
+    evicted: list[bytes]
+    cleared: bool = False
+
+
 class StepOutputs(msgspec.Struct, tag="outputs"):
     deltas: list[RequestDelta]
     stats: EngineStatsSnapshot
+    # Only from a replica that publishes its cache (EngineConfig.publish_cache_events).
+    prefix_changes: PrefixCacheChanges | None = None
 
 
 class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -81,15 +81,20 @@ def speaks_itself(engine_config: EngineConfig) -> None:
 
 
 def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) -> Starlette:
-    state = AppState(config, engine_config,
-                     EngineClient(engine_config, max_restarts=config.max_worker_restarts,
-                                  restart_window_s=config.worker_restart_window_s,
-                                  worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal,
-                                  max_transcriptions=config.max_transcriptions,
-                                  max_spoken_answers=config.max_spoken_answers,
-                                  share_per_tenant=config.share_per_tenant,
-                                  share_per_client=config.share_per_client),
-                     Metrics(), Admission(engine_config.max_num_seqs + config.max_waiting_requests))
+    client_options = dict(max_restarts=config.max_worker_restarts, restart_window_s=config.worker_restart_window_s,
+                          worker_timeout_s=config.worker_timeout_s, on_fatal=on_fatal,
+                          max_transcriptions=config.max_transcriptions, max_spoken_answers=config.max_spoken_answers,
+                          share_per_tenant=config.share_per_tenant, share_per_client=config.share_per_client)
+    if config.data_parallel_size > 1:
+        from frontend.replica_set import replica_set
+
+        client = replica_set(engine_config, config.data_parallel_size, config.routing_policy, config.ray_address,
+                             **client_options)
+        admitted = config.data_parallel_size * engine_config.max_num_seqs + config.max_waiting_requests
+    else:
+        client = EngineClient(engine_config, **client_options)
+        admitted = engine_config.max_num_seqs + config.max_waiting_requests
+    state = AppState(config, engine_config, client, Metrics(), Admission(admitted))
     state.spoken_answers = SpokenAnswerStore(config.spoken_answers_per_key, config.spoken_answer_ttl_s)
     chat = ChatCompletions(state)
     completions = Completions(state)
@@ -150,9 +155,11 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
             await state.client.shutdown()
 
     async def health(request: Request) -> Response:
+        replicas = {"replicas": state.client.replica_health()} if config.data_parallel_size > 1 else {}
         if state.client.healthy:
-            return JSONResponse({"status": "ok", "voice": state.client.voice_status})
-        return JSONResponse({"status": "unhealthy", "reason": state.client.status}, status_code=503)
+            # Data parallel: serving while any replica does; each one's state is in the list.
+            return JSONResponse({"status": "ok", "voice": state.client.voice_status, **replicas})
+        return JSONResponse({"status": "unhealthy", "reason": state.client.status, **replicas}, status_code=503)
 
     async def metrics(request: Request) -> Response:
         gauges = [
@@ -182,8 +189,9 @@ def build_app(config: ServerConfig, engine_config: EngineConfig, on_fatal=None) 
                       "(its cache held them).", state.client.items_sent_cached),
                      ("antiphon_encoder_items_resent_total", "Items whose pixels the encoder asked for again "
                       "(evicted before use).", state.client.items_resent)]
+        replicas = state.client.replica_rows() if config.data_parallel_size > 1 else ()
         return PlainTextResponse(state.metrics.render(state.client.stats, state.client.healthy, gauges, counters,
-                                                      state.client.encoder_stats),
+                                                      state.client.encoder_stats, replicas),
                                  media_type=METRICS_CONTENT_TYPE)
 
     def authorized(handler):

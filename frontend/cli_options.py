@@ -18,6 +18,7 @@ import typing
 
 from engine.config import (ATTENTION_BACKENDS, CPU_KV_CACHE_GIB, DECODE_GRAPH_MODES, DTYPES, KV_CACHE_DTYPES,
                            QUANTIZATION_MODES, EngineConfig)
+from frontend.replica_router import POLICIES
 from frontend.server_config import ServerConfig
 
 # --async-scheduling's words for EngineConfig.async_scheduling (None: on with CUDA, off on CPU).
@@ -43,6 +44,7 @@ DERIVED_DEFAULTS = {
     "asr_model": "the packaged Whisper tiny.en",
     "hidden_state_store_gib": "what the KV pool needs (no bound)",
     "tts_voice": "the packaged Piper joe voice",
+    "ray_address": "none: local processes",
     "api_keys": "$ANTIPHON_API_KEY, comma-separated, else none",
     "cache_salt_per_key": "per key with two or more keys, else shared",
     "allowed_hosts": "loopback names when bound to loopback, else any",
@@ -189,6 +191,13 @@ def _add_engine_options(group) -> None:
 def _add_server_options(group) -> None:
     server = FieldFlags(group, ServerConfig)
     server.add("host", "address to listen on")
+    server.add("data_parallel_size", "replicas of the engine (each its own decoder, KV pool, prefix cache and "
+                                     "encoder) behind a cache-aware router; see docs/scale-out.md")
+    server.add("routing_policy", "how a request picks its replica: the longest cached prefix within a load "
+                                 "band (cache-aware), or least-loaded, or round-robin", choices=POLICIES)
+    server.add("ray_address", "with --data-parallel-size: run the replicas as actors of this Ray cluster (auto: "
+                              "the one this machine belongs to), their links to this front end on CurveZMQ tcp; "
+                              "needs pip install -e '.[ray]'")
     server.add("port", "port to listen on")
     # None: $ANTIPHON_API_KEY, read by `server_config_from`.
     group.add_argument("--api-key", action="append", default=None, dest="api_keys",

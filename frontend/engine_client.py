@@ -29,22 +29,36 @@ from frontend.tenancy import ANONYMOUS, FairShare, Requester, share_of
 from frontend.worker_supervisor import WorkerSupervisor
 
 
+def fair_shares(max_transcriptions: int, max_spoken_answers: int, share_per_tenant: float,
+                share_per_client: float) -> tuple[FairShare, FairShare]:
+    """The voice work the server takes at once: past these, voice work is refused (429) rather
+    than queued behind a flood, and no tenant or client may hold them all."""
+    return (FairShare("clips being recognized", "--max-transcriptions", max_transcriptions,
+                      share_of(max_transcriptions, share_per_tenant), share_of(max_transcriptions, share_per_client)),
+            FairShare("answers being spoken", "--max-spoken-answers", max_spoken_answers,
+                      share_of(max_spoken_answers, share_per_tenant), share_of(max_spoken_answers, share_per_client)))
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, *, max_restarts: int = 3, restart_window_s: float = 600.0,
                  worker_timeout_s: float = 30.0, on_fatal=None, max_transcriptions: int = 16,
-                 max_spoken_answers: int = 16, share_per_tenant: float = 1.0, share_per_client: float = 1.0) -> None:
+                 max_spoken_answers: int = 16, share_per_tenant: float = 1.0, share_per_client: float = 1.0,
+                 shares: tuple[FairShare, FairShare] | None = None, on_cache_changes=None, on_lost=None,
+                 launcher=None) -> None:
+        """A data-parallel replica (frontend/replica_set.py) is one EngineClient: `shares` are the
+        server's (transcriptions, spoken answers) shared by every replica; `on_cache_changes(message)`
+        hears its decoder's PrefixCacheChanges and its encoder's CacheChanges; `on_lost(worker,
+        reason)` hears each lost worker; `launcher` starts its processes (frontend/launchers.py)."""
         self.supervisor = WorkerSupervisor(config, max_restarts=max_restarts, restart_window_s=restart_window_s,
                                            worker_timeout_s=worker_timeout_s, on_fatal=on_fatal, route=self._route,
-                                           on_lost=self._worker_lost, on_failed=self._fail_in_flight)
+                                           on_lost=self._worker_lost, on_failed=self._fail_in_flight,
+                                           launcher=launcher)
         self.config = config
-        # One encoder and one talker serve every client: past these, voice work is refused
-        # (429) rather than queued behind a flood, and no tenant or client may hold them all.
-        self.transcriptions = FairShare("clips being recognized", "--max-transcriptions", max_transcriptions,
-                                        share_of(max_transcriptions, share_per_tenant),
-                                        share_of(max_transcriptions, share_per_client))
-        self.spoken_answers = FairShare("answers being spoken", "--max-spoken-answers", max_spoken_answers,
-                                        share_of(max_spoken_answers, share_per_tenant),
-                                        share_of(max_spoken_answers, share_per_client))
+        self.on_cache_changes = on_cache_changes
+        self.on_lost = on_lost
+        if shares is None:
+            shares = fair_shares(max_transcriptions, max_spoken_answers, share_per_tenant, share_per_client)
+        self.transcriptions, self.spoken_answers = shares
         self.ended = EndedRequests(self.supervisor)
         self.encoder = EncoderClient(self.supervisor, self.ended, self.transcriptions)
         self.decoder = DecoderClient(self.supervisor, self.ended, self.encoder)
@@ -83,8 +97,9 @@ class EngineClient:
 
     # ---- requests (the decoder) --------------------------------------------------------
 
-    async def add_request(self, request: protocol.EngineRequest, on_finished=None, items=()) -> asyncio.Queue:
-        """See DecoderClient.add_request."""
+    async def add_request(self, request: protocol.EngineRequest, on_finished=None, items=(),
+                          conversation: str | None = None) -> asyncio.Queue:
+        """See DecoderClient.add_request (`conversation` matters only to a replica set's router)."""
         return await self.decoder.add_request(request, on_finished, items)
 
     def release(self, request_id: str) -> None:
@@ -176,12 +191,16 @@ class EngineClient:
         if isinstance(message, protocol.StepOutputs):
             workers.heard_from("decoder")
             self.decoder.step_outputs(message)
+            if message.prefix_changes is not None and self.on_cache_changes is not None:
+                self.on_cache_changes(message.prefix_changes)
         elif isinstance(message, protocol.Heartbeat):
             workers.heard_from(message.worker)
         elif isinstance(message, protocol.EncoderStats):
             self.encoder.stats = message
         elif isinstance(message, protocol.CacheChanges):
             self.encoder.cache_changed(message)
+            if self.on_cache_changes is not None:
+                self.on_cache_changes(message)
         elif isinstance(message, protocol.ItemsMissing):
             self.encoder.resend_pixels(set(message.mm_hashes))
         elif isinstance(message, protocol.WorkerReady):
@@ -193,6 +212,8 @@ class EngineClient:
             workers.worker_failed(message)
 
     def _worker_lost(self, worker: str, reason: str) -> None:
+        if self.on_lost is not None:
+            self.on_lost(worker, reason)
         if worker == "talker":
             # Text goes on; only the answers being spoken end, with the reason.
             self.talker.fail_speech(reason)

@@ -194,10 +194,11 @@ class GenerationService:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     async def stream(self, lease: RequestLease, prompt: ChatPrompt | list[int], params: SamplingParams,
-                     cache_salt: str | None = None,
-                     speech: protocol.SpeechOptions | None = None) -> AsyncIterator[TextChunk]:
+                     cache_salt: str | None = None, speech: protocol.SpeechOptions | None = None,
+                     conversation: str | None = None) -> AsyncIterator[TextChunk]:
         """The answer's text as the engine makes it; with `speech` an omni model also speaks it
-        (its audio reaches the queue `open_speech` gave under speech.speech_id)."""
+        (its audio reaches the queue `open_speech` gave under speech.speech_id). `conversation`
+        (a Realtime session) keeps its turns on one data-parallel replica."""
         if not isinstance(prompt, ChatPrompt):
             prompt = ChatPrompt(list(prompt))
         if cache_salt is not None and prompt.items:
@@ -212,7 +213,8 @@ class GenerationService:
         output = RequestOutputProcessor(self.tokenizer, token_ids, request.sampling_params)
         started = time.monotonic()
         # The slot frees when the engine is done, even if this stream's reader lags behind.
-        queue = await self.client.add_request(request, on_finished=lease.release, items=prompt.items)
+        queue = await self.client.add_request(request, on_finished=lease.release, items=prompt.items,
+                                              conversation=conversation)
         self.metrics.request_started()
         num_output, cached, last_token_time = 0, 0, None
         finished = False

