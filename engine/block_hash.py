@@ -9,7 +9,7 @@ therefore never share KV, while text before an image still can.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -21,10 +21,6 @@ _encode = msgspec.msgpack.Encoder().encode
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None) -> bytes:
     payload = _encode((parent_hash, token_ids, extra_keys))
     return hashlib.sha256(payload).digest()
-
-
-def block_extra_keys(request: Request, start: int, end: int) -> tuple | None:
-    return extra_keys_of(request.mm_placeholders, request.cache_salt, start, end)
 
 
 def extra_keys_of(placeholders: Sequence, cache_salt: str | None, start: int, end: int) -> tuple | None:
@@ -39,26 +35,25 @@ def extra_keys_of(placeholders: Sequence, cache_salt: str | None, start: int, en
     return tuple(keys) if keys else None
 
 
+def iter_block_hashes(token_ids: Sequence[int], placeholders: Sequence, cache_salt: str | None,
+                      block_size: int, first_block: int = 0, parent: bytes | None = None) -> Iterator[bytes]:
+    """The hashes of the full blocks of `token_ids` from `first_block` on (`parent`: the hash of
+    the block before it), made one at a time: the scheduler extends a request's hashes with
+    them, and the data-parallel router stops at the first block no replica holds."""
+    for index in range(first_block, len(token_ids) // block_size):
+        start, end = index * block_size, (index + 1) * block_size
+        parent = hash_block(parent, token_ids[start:end], extra_keys_of(placeholders, cache_salt, start, end))
+        yield parent
+
+
 def prompt_block_hashes(token_ids: Sequence[int], placeholders: Sequence, cache_salt: str | None,
                         block_size: int) -> list[bytes]:
-    """The hashes of a prompt's full blocks, as the decoder computes them for its prefix cache
-    (the router matches them against the blocks each replica says it holds)."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        end = start + block_size
-        parent = hash_block(parent, token_ids[start:end], extra_keys_of(placeholders, cache_salt, start, end))
-        hashes.append(parent)
-    return hashes
+    return list(iter_block_hashes(token_ids, placeholders, cache_salt, block_size))
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Hash every newly completed block of the request (prompt or generated tokens)."""
     hashes = request.block_hashes
-    tokens = request.all_token_ids
-    num_full_blocks = len(tokens) // block_size
-    parent = hashes[-1] if hashes else None
-    for index in range(len(hashes), num_full_blocks):
-        start, end = index * block_size, (index + 1) * block_size
-        parent = hash_block(parent, tokens[start:end], block_extra_keys(request, start, end))
-        hashes.append(parent)
+    if len(request.all_token_ids) // block_size > len(hashes):
+        hashes.extend(iter_block_hashes(request.all_token_ids, request.mm_placeholders, request.cache_salt,
+                                        block_size, len(hashes), hashes[-1] if hashes else None))

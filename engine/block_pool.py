@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.change_log import ChangeLog
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_count", "block_hash")
@@ -40,9 +42,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
         # Hashes indexed and evicted since the last take_events; None when not recorded.
-        self._stored: list[bytes] | None = None
-        self._evicted: list[bytes] = []
-        self._cleared = False
+        self._changes: ChangeLog[bytes] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -94,15 +94,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        if self._stored is not None:
-            self._stored.append(block_hash)
+        if self._changes is not None:
+            self._changes.added(block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                if self._stored is not None:
-                    self._evicted.append(block.block_hash)
+                if self._changes is not None:
+                    self._changes.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -112,23 +112,20 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        if self._stored is not None:
-            self._stored.clear()
-            self._evicted.clear()
-            self._cleared = True
+        if self._changes is not None:
+            self._changes.clear()
         return True
 
     def record_events(self) -> None:
-        """From now on, keep what enters and leaves the index (only what is indexed after
-        this call: a replica records from its start, when the index is empty)."""
-        if self._stored is None:
-            self._stored = []
+        """From now on, keep what enters and leaves the index. The first report says `cleared`:
+        whoever hears it forgets what an earlier process in this place held."""
+        if self._changes is None:
+            self._changes = ChangeLog()
+            self._changes.clear()
 
     def take_events(self) -> tuple[list[bytes], list[bytes], bool] | None:
-        """(stored, evicted, cleared) since the last call, or None when nothing changed (or
-        events are not recorded). `cleared`: the whole index was dropped before `stored`."""
-        if not (self._stored or self._evicted or self._cleared):
+        """(stored, evicted, cleared) since the last call, netted per hash (engine/change_log.py),
+        or None when nothing changed (or events are not recorded)."""
+        if not self._changes:
             return None
-        events = (self._stored, self._evicted, self._cleared)
-        self._stored, self._evicted, self._cleared = [], [], False
-        return events
+        return self._changes.take()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.change_log import ChangeLog
+
 
 @dataclass
 class EncoderCacheStats:
@@ -27,8 +29,7 @@ class EncoderCache:
         # The encoder process reports what entered and left the cache, so the frontend can
         # keep a mirror of it and not resend the pixels of a cached item.
         self.track_changes = track_changes
-        self.added: list[str] = []
-        self.evicted: list[str] = []
+        self.changes: ChangeLog[str] = ChangeLog()
         self.used = 0
         self._entries: OrderedDict[str, object] = OrderedDict()
         self._sizes: dict[str, int] = {}
@@ -57,15 +58,14 @@ class EncoderCache:
             self.used -= self._sizes.pop(old)
             self.stats.evictions += 1
             if self.track_changes:
-                self.evicted.append(old)
+                self.changes.removed(old)
         self._entries[mm_hash] = embeddings
         self._sizes[mm_hash] = size
         self.used += size
         if self.track_changes:
-            self.added.append(mm_hash)
+            self.changes.added(mm_hash)
 
     def take_changes(self) -> tuple[list[str], list[str]]:
-        """(added, evicted) since the last call, in order."""
-        changes = self.added, self.evicted
-        self.added, self.evicted = [], []
-        return changes
+        """(added, evicted) since the last call, netted per item (engine/change_log.py)."""
+        added, evicted, _ = self.changes.take()
+        return added, evicted

@@ -48,6 +48,8 @@ class LinkKeys:
         socket.curve_server = True
         socket.curve_secretkey = self.server_secret
         socket.zap_domain = ZAP_DOMAIN
+        # Fail closed: without a ZAP handler libzmq would admit any client of the server key.
+        socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 def connect(socket: zmq.Socket, address: str) -> None:

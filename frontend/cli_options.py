@@ -45,6 +45,8 @@ DERIVED_DEFAULTS = {
     "hidden_state_store_gib": "what the KV pool needs (no bound)",
     "tts_voice": "the packaged Piper joe voice",
     "ray_address": "none: local processes",
+    "decoder_threads": "a thread per core; with --data-parallel-size on one machine, the cores split between "
+                       "the replicas",
     "api_keys": "$ANTIPHON_API_KEY, comma-separated, else none",
     "cache_salt_per_key": "per key with two or more keys, else shared",
     "allowed_hosts": "loopback names when bound to loopback, else any",
@@ -185,6 +187,7 @@ def _add_engine_options(group) -> None:
                                    "may take (Qwen2.5-Omni: 50 a second; Qwen3-Omni: 12.5 frames a second)")
     engine.add("talker_threads", "an omni model's spoken answers on a CPU: the talker process's torch threads "
                                  "(default: a quarter of the cores, at least one)")
+    engine.add("decoder_threads", "CPU threads of each decoder's torch")
     engine.add("tts_voice", "a Piper voice .onnx file, its .onnx.json beside it")
 
 

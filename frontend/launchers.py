@@ -14,6 +14,7 @@ A launcher's `start` returns a handle with asyncio.subprocess.Process's surface:
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -22,9 +23,14 @@ class LocalLauncher:
     # CurveZMQ keys of the front end's links (engine/link_keys.LinkKeys), or None: ipc needs none.
     keys = None
 
+    def __init__(self, environment: dict[str, str] | None = None) -> None:
+        """`environment`: set in the workers' (a data-parallel replica's GPU)."""
+        self.environment = environment
+
     def front_end_address(self, run_dir: Path, name: str) -> str:
         """Where the front end binds socket `name`: a path in its 0700 directory."""
         return f"ipc://{run_dir}/{name}"
 
     async def start(self, worker: str, args: list[str]):
-        return await asyncio.create_subprocess_exec(sys.executable, *args)
+        environment = {**os.environ, **self.environment} if self.environment else None
+        return await asyncio.create_subprocess_exec(sys.executable, *args, env=environment)

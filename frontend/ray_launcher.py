@@ -1,15 +1,15 @@
 """Data-parallel replicas placed by Ray: each worker process runs inside a Ray actor.
 
-Ray does what a cluster runtime does: it places each actor on a node with the resources asked
-(a decoder takes one GPU on a GPU cluster, one CPU otherwise; an encoder or talker shares its
-replica's node), notices when an actor or its node is gone, and ends the actors when the front
-end (the driver) exits. ZeroMQ stays the data path: the worker process the actor starts connects
-to the front end's tcp sockets with the CurveZMQ keys the actor hands it (engine/link_keys.py).
-When a worker is lost, its supervisor starts a new actor for it (Ray places it again: on
-another node if its own is gone) within the replica's restart budget.
+Ray does what a cluster runtime does: it places each replica (a placement group of one bundle:
+one GPU on a GPU cluster, one CPU otherwise) on a node where that resource is free, places it
+again if the node dies, notices when an actor is gone, and ends the actors when the front end
+(the driver) exits. ZeroMQ stays the data path: the worker process an actor starts connects to
+the front end's tcp sockets with the CurveZMQ keys the actor hands it (engine/link_keys.py).
+When a worker is lost, its supervisor starts a new actor for it in the replica's group, within
+the replica's restart budget.
 
-A replica's workers share one node: its decoder and encoder (and talker) talk over ipc paths
-there. Ray is imported only here, only with `--data-parallel-size`.
+A replica's workers share its bundle's node (and GPU): its decoder and encoder (and talker)
+talk over ipc paths there. Ray is imported only here, only with `--ray-address`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import subprocess
 import sys
 
@@ -25,12 +26,20 @@ from engine.link_keys import LinkKeys, allow_workers
 logger = logging.getLogger("antiphon.frontend")
 
 # The front end's environment a worker started by Ray keeps (a Ray actor's own is the node's):
-# Antiphon's settings (its cache folder, its kernel choices), and those of the libraries it runs.
+# Antiphon's settings (its cache folder, its kernel choices) and those of the libraries it runs,
+# never a credential (an API key or a hub token has no business on the workers' nodes).
 FORWARDED_PREFIXES = ("ANTIPHON_", "TRITON_", "HF_", "TRANSFORMERS_", "OMP_", "MALLOC_")
+CREDENTIAL_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+# Placing a replica waits this long for its resources (a GPU, a CPU) before it counts as
+# failing to start.
+PLACEMENT_TIMEOUT_S = 600.0
+# After asking an actor to kill its process, how long before the actor itself is killed.
+KILL_GRACE_S = 5.0
 
 
 def forwarded_environment() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_PREFIXES)}
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(FORWARDED_PREFIXES) and not any(word in name for word in CREDENTIAL_WORDS)}
 
 
 class WorkerProcess:
@@ -40,15 +49,24 @@ class WorkerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, args: list[str], ipc_dir: str, environment: dict[str, str]) -> int:
-        # The replica's worker-to-worker ipc paths live here, on this node.
+        # The replica's worker-to-worker ipc paths live here, on this node: made private, and
+        # refused if someone else made it first.
         os.makedirs(ipc_dir, mode=0o700, exist_ok=True)
-        self.process = subprocess.Popen([sys.executable, *args], env={**os.environ, **environment})
+        status = os.lstat(ipc_dir)
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+            raise PermissionError(f"{ipc_dir} is not a private directory of this user")
+        child = {**os.environ, **environment}
+        if "OMP_NUM_THREADS" not in environment:
+            # Ray caps an actor at its CPU share; the worker sets its own threads.
+            child.pop("OMP_NUM_THREADS", None)
+        self.process = subprocess.Popen([sys.executable, *args], env=child)
         return self.process.pid
 
     def wait(self) -> int:
         return self.process.wait()
 
     def kill(self) -> None:
+        """SIGKILL: a hung or stopped worker must not live on beside its successor."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
 
@@ -58,18 +76,18 @@ class ActorProcess:
     expects of a launcher's handle)."""
 
     def __init__(self, actor, pid: int) -> None:
-        import ray
-
         self.actor = actor
         self.pid = pid
         self.returncode: int | None = None
-        self._exit = asyncio.ensure_future(self._wait(ray))
+        self._exit = asyncio.ensure_future(self._wait())
+        self._killer: asyncio.Task | None = None
 
-    async def _wait(self, ray) -> int:
+    async def _wait(self) -> int:
+        import ray
+
         try:
             code = await self.actor.wait.remote()
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
-            # The actor itself is gone (killed, its node lost): so is the process it ran.
+        except Exception as exc:  # noqa: BLE001 (the actor or its node is gone, however Ray says it)
             logger.error("worker actor lost: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             code = -9
         self.returncode = code
@@ -83,17 +101,24 @@ class ActorProcess:
         return await asyncio.shield(self._exit)
 
     def kill(self) -> None:
+        if self._killer is None and not self._exit.done():
+            self._killer = asyncio.ensure_future(self._kill())
+
+    async def _kill(self) -> None:
         import ray
 
-        # The actor's death ends its process (which dies with its parent).
-        ray.kill(self.actor, no_restart=True)
+        try:
+            await asyncio.wait_for(self.actor.kill.remote(), KILL_GRACE_S)
+            await asyncio.wait_for(asyncio.shield(self._exit), KILL_GRACE_S)
+        except Exception:  # noqa: BLE001 (an actor that does not answer is killed with its node's help)
+            ray.kill(self.actor, no_restart=True)
 
 
 class RayCluster:
     """The front end's place in a Ray cluster: joins it, makes the link keys, admits only its
     own workers on its tcp sockets, and gives each replica a launcher."""
 
-    def __init__(self, address: str, context, on_gpus: bool) -> None:
+    def __init__(self, address: str, context, device: str) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -103,19 +128,20 @@ class RayCluster:
         self.host = ray.util.get_node_ip_address()
         self.context = context
         self.authenticator = None
-        self.on_gpus = on_gpus
+        resources = ray.cluster_resources()
+        self.on_gpus = device != "cpu" and resources.get("GPU", 0) >= 1
+        self.nodes = len([node for node in ray.nodes() if node["Alive"]])
         self.actor_class = ray.remote(max_concurrency=4, max_restarts=0)(WorkerProcess)
         logger.info("joined the Ray cluster at %s (%d node(s), %s); front end links on tcp://%s, CurveZMQ",
-                    address, len([node for node in ray.nodes() if node["Alive"]]),
-                    ", ".join(f"{value:g} {key}" for key, value in sorted(ray.cluster_resources().items())
-                              if key in ("CPU", "GPU")), self.host)
+                    address, self.nodes, ", ".join(f"{value:g} {key}" for key, value in sorted(resources.items())
+                                                   if key in ("CPU", "GPU")), self.host)
 
     def launcher(self, replica: int) -> "RayLauncher":
         return RayLauncher(self, replica)
 
     def start(self) -> None:
         """Starts the ZAP handler on the running event loop (an asyncio task), before any
-        worker connects: without a handler libzmq would let in any Curve client."""
+        worker connects (the sockets refuse every client until it runs)."""
         self.authenticator = allow_workers(self.context, self.keys)
 
     def close(self) -> None:
@@ -124,46 +150,55 @@ class RayCluster:
 
 
 class RayLauncher:
+    """One replica's workers, all in one placement group of one bundle (one GPU, or one CPU):
+    on one node, and on a GPU cluster on one GPU (the decoder takes most of it, the encoder and
+    talker a share of the same one, so Ray gives them all the same CUDA_VISIBLE_DEVICES). Ray
+    places the bundle where the resource is free, and places it again if its node dies."""
+
+    DECODER_SHARE = 0.8
+
     def __init__(self, cluster: RayCluster, replica: int) -> None:
         self.cluster = cluster
         self.replica = replica
         self.keys = cluster.keys
-        # The node this replica's workers run on, while it is alive.
-        self.node_id: str | None = None
+        self.group = None
 
     def front_end_address(self, run_dir, name: str) -> str:
         return f"tcp://{self.cluster.host}:*"
 
     async def start(self, worker: str, args: list[str]) -> ActorProcess:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        options: dict = {"num_cpus": 0, "num_gpus": 0}
-        if worker == "decoder":
-            options["num_gpus" if self.cluster.on_gpus else "num_cpus"] = 1
-        node = self._node()
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        actor = self.cluster.actor_class.options(**options).remote()
+        group = await self._group()
+        share = self.DECODER_SHARE if worker == "decoder" else (1 - self.DECODER_SHARE) / 2
+        options = {"num_gpus": share, "num_cpus": 0} if self.cluster.on_gpus else {"num_cpus": share, "num_gpus": 0}
+        actor = self.cluster.actor_class.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            **options).remote()
         ipc_dir = os.path.dirname(_ipc_path(args))
         environment = {**forwarded_environment(), **self.keys.worker_environment()}
-        pid = await actor.start.remote(args, ipc_dir, environment)
-        logger.info("replica %d: %s actor started (pid %d on node %s)", self.replica, worker, pid, node[:8])
+        try:
+            pid = await asyncio.wait_for(actor.start.remote(args, ipc_dir, environment), PLACEMENT_TIMEOUT_S)
+        except BaseException:
+            import ray
+
+            ray.kill(actor, no_restart=True)
+            raise
+        logger.info("replica %d: %s actor started (pid %d)", self.replica, worker, pid)
         return ActorProcess(actor, pid)
 
-    def _node(self) -> str:
-        """The replica's node: kept while it is alive; else the live nodes with the decoder's
-        resource (a GPU or a CPU), taken in turn by replica index."""
-        import ray
+    async def _group(self):
+        from ray.util.placement_group import placement_group
 
-        alive = [node for node in ray.nodes() if node["Alive"]]
-        if self.node_id is not None and any(node["NodeID"] == self.node_id for node in alive):
-            return self.node_id
-        resource = "GPU" if self.cluster.on_gpus else "CPU"
-        able = sorted(node["NodeID"] for node in alive if node["Resources"].get(resource, 0) >= 1)
-        if not able:
-            raise RuntimeError(f"no live Ray node has a {resource} for replica {self.replica}'s decoder")
-        self.node_id = able[self.replica % len(able)]
-        return self.node_id
+        if self.group is None:
+            resource = "GPU" if self.cluster.on_gpus else "CPU"
+            self.group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+        try:
+            await asyncio.wait_for(self.group.ready(), PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"Ray found no free {'GPU' if self.cluster.on_gpus else 'CPU'} for replica "
+                               f"{self.replica} within {PLACEMENT_TIMEOUT_S:g} s") from None
+        return self.group
 
 
 def _ipc_path(args: list[str]) -> str:

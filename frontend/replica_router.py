@@ -19,12 +19,14 @@ the decoders index) and whose items are M:
    find their prefix even before the first turn's blocks are published).
 4. Else the eligible replica holding the longest run of H's leading blocks, if at least
    `min_match_blocks`; ties go to the one whose encoder holds most of M, then to the least load.
-5. Else (nothing of it cached anywhere): rendezvous hashing of H[0] (or of the first item's
-   mm_hash) over the eligible replicas, so that requests sharing a system prompt land together
-   before any event about it arrives; a prompt with neither goes to the least loaded.
+5. Else (nothing of it cached anywhere): consistent placement by H[0] (or the first item's
+   mm_hash): the first eligible replica of a probe sequence drawn from that key, the same on
+   every front end, so that requests sharing a system prompt land together before any event
+   about it arrives; a prompt with neither goes to the least loaded.
 
-Cost: one dict lookup and two integer operations per block hash (replica sets are bit masks),
-plus O(replicas) per request for the load band; measured by benchmarks/scale_out.py.
+Cost: one dict lookup and an integer AND per block hash (replica sets are bit masks), plus one
+pass over the replicas' loads per request (C-speed list operations); measured by
+benchmarks/router_simulation.py at 8 to 256 replicas.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class ReplicaRouter:
         self.min_match_blocks = min_match_blocks
         self.max_pins = max_pins
         self.healthy = [True] * num_replicas
+        self._healthy_mask = (1 << num_replicas) - 1
         self.in_flight = [0] * num_replicas
         self.reported_load = [0] * num_replicas
         # Block hash -> bit mask of the replicas whose prefix cache indexes it; and the reverse,
@@ -90,7 +93,7 @@ class ReplicaRouter:
 
     # ---- routing ----------------------------------------------------------------------
 
-    def route(self, block_hashes: Sequence[bytes], mm_hashes: Sequence[str] = (),
+    def route(self, block_hashes: Iterable[bytes], mm_hashes: Sequence[str] = (),
               conversation: str | None = None) -> int:
         """The replica for a request (counted in flight there until `finished`)."""
         replica, for_prefix = self._choose(block_hashes, mm_hashes, conversation)
@@ -108,51 +111,69 @@ class ReplicaRouter:
         if self.in_flight[replica] > 0:
             self.in_flight[replica] -= 1
 
-    def _choose(self, block_hashes: Sequence[bytes], mm_hashes: Sequence[str],
+    def _choose(self, block_hashes: Iterable[bytes], mm_hashes: Sequence[str],
                 conversation: str | None) -> tuple[int, bool]:
-        loads = [max(a, b) if up else -1 for a, b, up in zip(self.in_flight, self.reported_load, self.healthy)]
-        up = [load for load in loads if load >= 0]
-        if not up:
+        if not self._healthy_mask:
             raise NoReplica("every replica is down")
+        loads = [max(a, b) for a, b in zip(self.in_flight, self.reported_load)]
         if self.policy == "round-robin":
-            for _ in range(self.num_replicas):
+            while True:
                 replica = self._next_round_robin
                 self._next_round_robin = (replica + 1) % self.num_replicas
-                if loads[replica] >= 0:
+                if self.healthy[replica]:
                     return replica, False
-        lightest = min(up)
+        lightest = min(load for load, up in zip(loads, self.healthy) if up)
         if self.policy == "least-loaded":
-            return loads.index(lightest), False
+            return self._first_with_load(loads, lightest), False
         bound = max(lightest * self.balance_ratio, lightest + self.balance_slack)
-        eligible = 0
-        for replica, load in enumerate(loads):
-            if 0 <= load <= bound:
-                eligible |= 1 << replica
+
+        def eligible(replica: int) -> bool:
+            return self.healthy[replica] and loads[replica] <= bound
+
         if conversation is not None:
             pinned, generation = self._pins.get(conversation, (0, -1))
-            if generation == self._generation[pinned] and eligible >> pinned & 1:
+            if generation == self._generation[pinned] and eligible(pinned):
                 return pinned, True
-        best, best_length = self._longest_prefix(block_hashes, eligible)
-        if best_length >= self.min_match_blocks:
-            if len(best) == 1:
-                return best[0], True
-            return min(best, key=lambda r: (-self._items_held_of(r, mm_hashes), loads[r])), True
-        key = block_hashes[0] if block_hashes else (mm_hashes[0].encode() if mm_hashes else None)
+        # The deepest run of leading blocks that an eligible replica holds.
+        holders_at, first_hash = self._holders_by_depth(block_hashes)
+        for depth in range(len(holders_at), max(self.min_match_blocks, 1) - 1, -1):
+            best = [replica for replica in _bits(holders_at[depth - 1]) if eligible(replica)]
+            if best:
+                return min(best, key=lambda r: (-self._items_held_of(r, mm_hashes), loads[r])), True
+        key = first_hash if first_hash is not None else (mm_hashes[0].encode() if mm_hashes else None)
         if key is None:
-            return loads.index(lightest), False
-        seed = int.from_bytes(key[:8], "little")
-        return max(_bits(eligible), key=lambda r: _mix(seed ^ _mix(r))), False
+            return self._first_with_load(loads, lightest), False
+        return self._placement(int.from_bytes(key[:8], "little"), eligible), False
 
-    def _longest_prefix(self, block_hashes: Sequence[bytes], eligible: int) -> tuple[list[int], int]:
-        """The eligible replicas holding the longest run of leading blocks, and its length."""
-        alive, depth = eligible, 0
+    def _first_with_load(self, loads: list[int], load: int) -> int:
+        return next(r for r, value in enumerate(loads) if value == load and self.healthy[r])
+
+    def _placement(self, seed: int, eligible) -> int:
+        """Consistent placement of a cold prompt: the first eligible replica of a probe
+        sequence drawn from its key (the same on every front end; a replica that leaves moves
+        only the keys that probed it first). Falls back to a scan after many misses."""
+        for attempt in range(4 * self.num_replicas.bit_length() + 8):
+            replica = _mix(seed + attempt) % self.num_replicas
+            if eligible(replica):
+                return replica
+        return next(replica for replica in range(self.num_replicas) if eligible(replica))
+
+    def _holders_by_depth(self, block_hashes: Iterable[bytes]) -> tuple[list[int], bytes | None]:
+        """For each depth d, the healthy replicas holding the first d + 1 blocks (bit masks,
+        each a subset of the one before), up to the first block nobody healthy holds; and the
+        first block's hash. Reads no hash past that block (they may be made as it reads)."""
+        alive = self._healthy_mask
         holders_of = self._block_holders
+        masks = []
+        first = None
         for block_hash in block_hashes:
-            holders = holders_of.get(block_hash, 0) & alive
-            if not holders:
+            if first is None:
+                first = block_hash
+            alive &= holders_of.get(block_hash, 0)
+            if not alive:
                 break
-            alive, depth = holders, depth + 1
-        return (list(_bits(alive)), depth) if depth else ([], 0)
+            masks.append(alive)
+        return masks, first
 
     def _items_held_of(self, replica: int, mm_hashes: Sequence[str]) -> int:
         held = self._items_held[replica]
@@ -206,17 +227,25 @@ class ReplicaRouter:
     def load_reported(self, replica: int, running_and_waiting: int) -> None:
         self.reported_load[replica] = running_and_waiting
 
+    def set_healthy(self, replica: int, healthy: bool) -> None:
+        """Whether the replica takes requests now (its caches stay known)."""
+        self.healthy[replica] = healthy
+        if healthy:
+            self._healthy_mask |= 1 << replica
+        else:
+            self._healthy_mask &= ~(1 << replica)
+
     def replica_down(self, replica: int) -> None:
         """Lost: nothing more is routed to it, and what it held is forgotten (its successor
         starts with empty caches); its pinned conversations move on their next turn."""
-        self.healthy[replica] = False
+        self.set_healthy(replica, False)
         self._generation[replica] += 1
         self.reported_load[replica] = 0
         self._forget(replica, self._block_holders, self._blocks_held)
         self._forget(replica, self._item_holders, self._items_held)
 
     def replica_up(self, replica: int) -> None:
-        self.healthy[replica] = True
+        self.set_healthy(replica, True)
 
     def encoder_down(self, replica: int) -> None:
         """Its encoder was lost: the items it held are gone (the decoder's blocks are not)."""

@@ -27,24 +27,19 @@ import dataclasses
 import logging
 import os
 
+import msgspec
+
 from engine import protocol
-from engine.block_hash import prompt_block_hashes
+from engine.block_hash import iter_block_hashes
 from engine.config import EngineConfig
+from engine.cpu_cores import usable_cores
 from frontend.engine_client import EngineClient, fair_shares
 from frontend.engine_errors import EngineUnavailable
+from frontend.launchers import LocalLauncher
 from frontend.replica_router import NoReplica, ReplicaRouter
 from frontend.tenancy import ANONYMOUS, Requester
 
 logger = logging.getLogger("antiphon.frontend")
-
-
-def usable_cores() -> int:
-    counter = getattr(os, "process_cpu_count", None)
-    if counter is not None and counter():
-        return counter()
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def replica_config(config: EngineConfig, num_replicas: int, on_one_machine: bool) -> EngineConfig:
@@ -62,27 +57,46 @@ def replica_set(config: EngineConfig, num_replicas: int, policy: str, ray_addres
     """The server's replicas: local processes, or Ray actors of the cluster at `ray_address`."""
     if ray_address is None:
         logger.info("data parallel: %d replicas as local processes, %s routing", num_replicas, policy)
-        return ReplicaSet(config, num_replicas, policy=policy, **client_options)
+        return ReplicaSet(config, num_replicas, policy=policy, launcher_for=local_launchers(config, num_replicas),
+                          **client_options)
     try:
-        import ray
+        import ray  # noqa: F401
     except ImportError:
         raise SystemExit("--ray-address needs Ray: pip install -e '.[ray]'") from None
     import zmq.asyncio
 
     from frontend.ray_launcher import RayCluster
 
-    cluster = RayCluster(ray_address, zmq.asyncio.Context.instance(), on_gpus=config.device != "cpu" and
-                         _cluster_has_gpus(ray, ray_address))
-    nodes = len([node for node in ray.nodes() if node["Alive"]])
+    cluster = RayCluster(ray_address, zmq.asyncio.Context.instance(), config.device)
     logger.info("data parallel: %d replicas as Ray actors, %s routing", num_replicas, policy)
-    return ReplicaSet(config, num_replicas, policy=policy, launcher_for=cluster.launcher, on_one_machine=nodes == 1,
+    return ReplicaSet(config, num_replicas, policy=policy, launcher_for=cluster.launcher,
+                      on_one_machine=cluster.nodes == 1,
                       on_start=cluster.start, on_close=cluster.close, **client_options)
 
 
-def _cluster_has_gpus(ray, address: str) -> bool:
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level=logging.WARNING)
-    return ray.cluster_resources().get("GPU", 0) >= 1
+def local_launchers(config: EngineConfig, num_replicas: int):
+    """On a CUDA machine each local replica's processes see one GPU of their own (all of them
+    on the first would each size a KV pool from the same free memory)."""
+    if config.device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(index) for index in range(torch.cuda.device_count())]
+    if len(devices) < num_replicas:
+        raise ValueError(f"--data-parallel-size {num_replicas} needs a GPU per replica; {len(devices)} visible")
+    return lambda index: LocalLauncher({"CUDA_VISIBLE_DEVICES": devices[index]})
+
+
+def summed(kind: type, snapshots) -> msgspec.Struct:
+    """Field by field sum of msgspec structs of counters and gauges (every replica's)."""
+    total = kind()
+    for snapshot in snapshots:
+        for field in kind.__struct_fields__:
+            setattr(total, field, getattr(total, field) + getattr(snapshot, field))
+    return total
 
 
 class ReplicaSet:
@@ -108,6 +122,7 @@ class ReplicaSet:
         self.owner: dict[str, int] = {}
         self._failed = False
         self._on_start, self._on_close = on_start, on_close
+        self._background: set[asyncio.Future] = set()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -122,8 +137,12 @@ class ReplicaSet:
             self._on_close()
 
     def _replica_failed(self) -> None:
-        """One replica failed for good (past its restart budget): the others serve on; the
-        server exits only when none is left."""
+        """One replica failed for good (past its restart budget): its other workers stop (they
+        hold a GPU or cores for nothing), the others serve on; the server exits only when none
+        is left."""
+        for replica in self.replicas:
+            if replica.supervisor.failed and not replica.supervisor.closing:
+                self._background.add(asyncio.ensure_future(replica.shutdown()))
         if not self._failed and all(replica.supervisor.failed for replica in self.replicas):
             self._failed = True
             if self.on_fatal is not None:
@@ -214,9 +233,12 @@ class ReplicaSet:
         router = self.router
         for index, replica in enumerate(self.replicas):
             up = replica.serves_text and (not needs_encoder or "encoder" in replica.supervisor.running)
-            router.healthy[index] = up
-        hashes = prompt_block_hashes(request.prompt_token_ids, request.mm_placeholders, request.cache_salt,
-                                     self.config.block_size) if router.policy == "cache-aware" else ()
+            router.set_healthy(index, up)
+            # Every front end's requests there, as of its last step.
+            router.load_reported(index, replica.stats.num_running + replica.stats.num_waiting)
+        # Hashed as the router walks them: it stops at the first block no replica holds.
+        hashes = iter_block_hashes(request.prompt_token_ids, request.mm_placeholders, request.cache_salt,
+                                   self.config.block_size) if router.policy == "cache-aware" else ()
         mm_hashes = [item.mm_hash for item in request.mm_placeholders]
         try:
             index = router.route(hashes, mm_hashes, conversation)
@@ -253,11 +275,7 @@ class ReplicaSet:
     @property
     def stats(self) -> protocol.EngineStatsSnapshot:
         """Every replica's counters and gauges added up (per replica: replica_stats)."""
-        total = protocol.EngineStatsSnapshot()
-        for replica in self.replicas:
-            for field in protocol.EngineStatsSnapshot.__struct_fields__:
-                setattr(total, field, getattr(total, field) + getattr(replica.stats, field))
-        return total
+        return summed(protocol.EngineStatsSnapshot, (replica.stats for replica in self.replicas))
 
     # ---- what the replicas publish ------------------------------------------------------
 
@@ -266,12 +284,12 @@ class ReplicaSet:
             self.router.prefix_changed(index, message.stored, message.evicted, message.cleared)
         else:
             self.router.items_changed(index, message.added, message.evicted)
-        stats = self.replicas[index].stats
-        self.router.load_reported(index, stats.num_running + stats.num_waiting)
 
     def _worker_lost(self, index: int, worker: str, reason: str) -> None:
         if worker == "decoder":
             logger.error("replica %d leaves the router: %s", index, reason)
+            # Its last load and gauges are not its successor's.
+            self.replicas[index].decoder.stats = protocol.EngineStatsSnapshot()
             # Its successor starts with empty caches; it is routed to again once it serves
             # (_route reads each replica's health).
             self.router.replica_down(index)
@@ -293,11 +311,7 @@ class ReplicaSet:
 
     @property
     def encoder_stats(self) -> protocol.EncoderStats:
-        total = protocol.EncoderStats()
-        for replica in self.replicas:
-            for field in protocol.EncoderStats.__struct_fields__:
-                setattr(total, field, getattr(total, field) + getattr(replica.encoder_stats, field))
-        return total
+        return summed(protocol.EncoderStats, (replica.encoder_stats for replica in self.replicas))
 
     @property
     def items_sent_cached(self) -> int:

@@ -153,7 +153,12 @@ class WorkerSupervisor:
         config = json.dumps(asdict(self.config))
         args = ["-m", f"workers.{worker}_process", "--config", config, *worker_flags(worker, self.addresses)]
         event = self._ready_events[worker] = asyncio.Event()
-        process = await self.launcher.start(worker, args)
+        try:
+            process = await self.launcher.start(worker, args)
+        except BaseException:
+            # Closed here, not left to the next start (which binds the address again).
+            self.to_workers.pop(worker).close(linger=0)
+            raise
         self.processes[worker] = process
         exited = asyncio.create_task(process.wait())
         ready = asyncio.create_task(event.wait())

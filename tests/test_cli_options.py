@@ -17,8 +17,9 @@ from frontend.server_config import ServerConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 # Fields no flag of `antiphon serve` sets: the offline LLM takes them as keywords.
-# omni_speech: the server turns it on for an omni model with voice on.
-NOT_FLAGS = {"max_stalled_steps", "grammar_timeout_s", "omni_speech"}
+# omni_speech: the server turns it on for an omni model with voice on; publish_cache_events:
+# for data-parallel replicas (frontend/replica_set.py).
+NOT_FLAGS = {"max_stalled_steps", "grammar_timeout_s", "omni_speech", "publish_cache_events"}
 # Fields set by a switch of another name: the switch turns the field off.
 SWITCHES = {"enable_prefix_caching": "no_prefix_caching", "enable_encoder_cache": "no_encoder_cache",
             "voice": "no_voice"}

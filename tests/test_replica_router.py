@@ -39,11 +39,19 @@ def test_the_pool_reports_what_enters_and_leaves_its_index():
     pool.cache_block(blocks[0], b"a")
     pool.cache_block(blocks[1], b"b")
     pool.cache_block(blocks[1], b"b")  # already indexed: no second event
-    assert pool.take_events() == ([b"a", b"b"], [], False)
+    # The first report says cleared: a successor's router forgets what its predecessor held.
+    assert pool.take_events() == ([b"a", b"b"], [], True)
     assert pool.take_events() is None
     pool.free(blocks)
-    pool.allocate(2)  # takes the two freed blocks back from the queue: their hashes leave
+    held = pool.allocate(2)  # takes the two freed blocks back from the queue: their hashes leave
     assert pool.take_events() == ([], [b"a", b"b"], False)
+    # Indexed and evicted between two reports: reported once, as gone.
+    pool.free(held)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, b"c")
+    pool.free([block])
+    pool.allocate(2)
+    assert pool.take_events() == ([], [b"c"], False)
 
 
 def test_the_longest_cached_prefix_wins():
@@ -85,7 +93,7 @@ def test_a_conversation_stays_on_its_replica_until_it_goes_down():
 def test_cold_prompts_sharing_a_first_block_land_together_and_spread_otherwise():
     router = ReplicaRouter(8)
     placed = {router.route([f"system-{n}".encode(), b"user"]) for n in range(64)}
-    assert len(placed) >= 6  # rendezvous hashing spreads distinct prefixes
+    assert len(placed) >= 6  # the placement spreads distinct prefixes
     again = ReplicaRouter(8)  # another front end: the same choice
     assert again.route([b"system-5", b"other user"]) == router.route([b"system-5", b"user 2"])
 
@@ -142,3 +150,17 @@ def test_finished_requests_leave_the_load():
     router.finished(first)
     router.finished(first)  # idempotent at zero
     assert router.in_flight == [0, 0]
+
+
+def test_the_router_reads_no_hash_past_the_first_block_nobody_holds():
+    router = ReplicaRouter(2)
+    router.prefix_changed(1, chain("s1", "s2"), [])
+    read = []
+
+    def hashes():
+        for name in ("s1", "s2", "s3", "s4", "s5"):
+            read.append(name)
+            yield name.encode()
+
+    assert router.route(hashes()) == 1
+    assert read == ["s1", "s2", "s3"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from engine import protocol
 from engine.array_frames import tensor_from_frame
 from engine.audio_formats import to_pcm16
 from engine.config import EngineConfig
+from engine.cpu_cores import usable_cores
 from engine.thinker_rows import TalkerPrompt
 from workers.ended_answers import EndedAnswers
 from workers.worker_loop import WorkerLoop
@@ -56,17 +56,6 @@ def talker_threads(config: EngineConfig) -> int:
     if config.talker_threads is not None:
         return config.talker_threads
     return max(1, usable_cores() // 4)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the platform says; Python 3.13
-    counts them itself), else the machine's."""
-    counter = getattr(os, "process_cpu_count", None)
-    if counter is not None:
-        return counter() or 1
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class OmniTalkerWorker:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import zmq
 
-from engine import protocol
+from engine import link_keys, protocol
 from engine.audio_windows import RECOGNIZER_RATE
 from workers.speech.fair_queue import FairQueue
 
@@ -51,7 +51,7 @@ class TranscriptionThread:
 
     def _run(self) -> None:
         socket = self.context.socket(zmq.PUSH)
-        socket.connect(self.output_address)
+        link_keys.connect(socket, self.output_address)
         try:
             while (job := self.jobs.get()) is not None:
                 socket.send(protocol.encode(self._transcribe(*job)))
