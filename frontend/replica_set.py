@@ -123,6 +123,7 @@ class ReplicaSet:
         self._failed = False
         self._on_start, self._on_close = on_start, on_close
         self._background: set[asyncio.Future] = set()
+        self._clips = 0
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -142,7 +143,9 @@ class ReplicaSet:
         is left."""
         for replica in self.replicas:
             if replica.supervisor.failed and not replica.supervisor.closing:
-                self._background.add(asyncio.ensure_future(replica.shutdown()))
+                stopping = asyncio.ensure_future(replica.shutdown())
+                self._background.add(stopping)
+                stopping.add_done_callback(self._background.discard)
         if not self._failed and all(replica.supervisor.failed for replica in self.replicas):
             self._failed = True
             if self.on_fatal is not None:
@@ -302,7 +305,10 @@ class ReplicaSet:
         serving = [replica for replica in self.replicas if "encoder" in replica.supervisor.running]
         if not serving:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
-        replica = min(serving, key=lambda r: len(r.encoder.transcripts))
+        # The fewest clips in flight; ties taken in turn.
+        self._clips += 1
+        turn = self._clips % len(serving)
+        replica = min(serving[turn:] + serving[:turn], key=lambda r: len(r.encoder.transcripts))
         return await replica.transcribe(samples, requester)
 
     @property

@@ -1,8 +1,8 @@
 """The real server with two data-parallel replicas placed by a real Ray cluster on this machine
 (started here: `ray start --head`, real actors, not Ray's local mode): answers over HTTP and
 Realtime equal the single engine's greedy tokens, a conversation's turns go to the replica that
-holds its prefix, a peer without the front end's keys reaches nothing, and a killed replica's
-requests end at once while the replica comes back."""
+holds its prefix, voice works through the replicas, a peer without the front end's keys reaches
+nothing, and a killed replica's requests end at once while the replica comes back."""
 
 import asyncio
 import http.client
@@ -13,13 +13,16 @@ import signal
 import subprocess
 import sys
 
+import openai
 import psutil
 import pytest
 import zmq
 
 from engine import LLM, SamplingParams, protocol
+from engine.audio_formats import read_wav, write_wav
 from frontend.client import RealtimeClient
 from tests.server_harness import ServerProcess, free_port, get_json, post_json, request, wait_for
+from tests.spoken import spoken, words
 
 SYSTEM = {"role": "system", "content": "You answer questions about the weather in the mountains. " * 4}
 
@@ -41,8 +44,10 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, ray_cluster, tmp_path_factory):
+    # Voice on: each replica's encoder hears clips (Whisper) and its talker speaks (Piper), over
+    # the same authenticated links.
     process = ServerProcess(tiny_llama, "--data-parallel-size", "2", "--ray-address", ray_cluster,
-                            log_dir=tmp_path_factory.mktemp("logs"), timeout=600)
+                            log_dir=tmp_path_factory.mktemp("logs"), timeout=600, voice=True)
     yield process
     assert process.stop() == 0, process.log_text()
 
@@ -122,6 +127,18 @@ def test_a_conversations_turns_go_to_the_replica_holding_its_prefix(server):
             assert after[holder] == before[holder] + 1, (topic, turn, before, after)
             # The replica it went to did hold the prefix: the system prompt's blocks at least.
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+def test_voice_through_the_replicas(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for _ in range(2):  # the clips go to both replicas' encoders in turn
+        clip = write_wav(spoken("What is the capital of France?", rate=16000), 16000)
+        transcript = client.audio.transcriptions.create(model="whisper-1", file=("q.wav", clip))
+        assert words(transcript.text) == words("What is the capital of France?")
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="Hello there.",
+                                                            response_format="wav") as response:
+        samples, rate = read_wav(response.read())
+    assert len(samples) > rate // 4
 
 
 def front_end_tcp_ports(server) -> list[int]:
