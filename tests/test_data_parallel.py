@@ -211,3 +211,19 @@ def test_a_killed_replica_fails_its_requests_and_comes_back(server):
     assert decoder_pid(server, victim) != pid
     # It rejoined with an empty cache (the router forgot what the lost process held).
     assert replica_series(server, "antiphon_replica_prefix_blocks_indexed")[victim] == 0
+
+
+def test_replicas_as_local_processes_without_ray(tiny_llama, offline, tmp_path):
+    local = ServerProcess(tiny_llama, "--data-parallel-size", "2", "--routing-policy", "round-robin",
+                          log_dir=tmp_path)
+    try:
+        for n in range(2):  # round-robin: one on each replica
+            conversation = [{"role": "user", "content": f"hello {n}"}]
+            assert chat(local, conversation)["choices"][0]["token_ids"] == greedy_offline(offline, conversation,
+                                                                                        16).token_ids
+        assert replica_series(local, "antiphon_replica_requests_routed_total") == [1, 1]
+        assert "Ray" not in local.log_text()
+        # Each replica's decoder is a child of the server, as in the single engine.
+        assert len(local.worker_pids("decoder")) == 2
+    finally:
+        assert local.stop() == 0, local.log_text()
