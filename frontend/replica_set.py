@@ -10,8 +10,9 @@ a choice per request.
 What goes where:
 - a request: the router's choice, from its prompt's block hashes, its items and its
   conversation (a Realtime session); its release, abort and deltas stay with that replica;
-- an omni model's spoken request: the replica whose talker opened its speech (its decoder hands
-  the rows to that talker); a cascade answer's text: the replica that opened its speech;
+- an omni model's spoken request: routed as any request (among the replicas whose talker is
+  up), and its speech bound to that replica's talker (its decoder hands it the rows); a cascade
+  answer's text: the least-loaded replica with a talker, when its speech opens;
 - a clip to transcribe: the replica with the fewest clips in flight.
 
 A replica whose decoder is lost leaves the router at once (its caches forgotten: its successor
@@ -34,10 +35,10 @@ from engine.block_hash import iter_block_hashes
 from engine.config import EngineConfig
 from engine.cpu_cores import usable_cores
 from frontend.engine_client import EngineClient, fair_shares
-from frontend.engine_errors import EngineUnavailable
+from frontend.engine_errors import EngineUnavailable, voice_slot
 from frontend.launchers import LocalLauncher
 from frontend.replica_router import NoReplica, ReplicaRouter
-from frontend.tenancy import ANONYMOUS, Requester
+from frontend.tenancy import ANONYMOUS, Requester, ShareSlot
 
 logger = logging.getLogger("antiphon.frontend")
 
@@ -124,6 +125,8 @@ class ReplicaSet:
         self._on_start, self._on_close = on_start, on_close
         self._background: set[asyncio.Future] = set()
         self._clips = 0
+        # An omni answer's speech opened and not yet routed: its queue and its share of the talkers.
+        self._unbound_speech: dict[str, tuple[asyncio.Queue, ShareSlot]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -216,9 +219,19 @@ class ReplicaSet:
         """Routes the request (ReplicaRouter's rule) and adds it there; see EngineClient.add_request."""
         if request.request_id in self.owner:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        index = self._speaking_replica(request)
-        if index is None:
-            index = self._route(request, conversation, needs_encoder=bool(items))
+        speech = self._unbound_speech.pop(request.speech.speech_id, None) if request.speech is not None else None
+        if request.speech is not None and speech is None:
+            raise EngineUnavailable(f"speech {request.speech.speech_id!r} was not opened")
+        try:
+            index = self._route(request, conversation, needs_encoder=bool(items), needs_talker=speech is not None)
+            if speech is not None:
+                # An omni answer is spoken by the talker beside the decoder that makes it.
+                queue, slot = speech
+                self.replicas[index].talker.open_speech(request.speech.speech_id, queue=queue, slot=slot)
+        except BaseException:
+            if speech is not None and self._speech_owner(request.speech.speech_id) is None:
+                speech[1].release()
+            raise
         self.owner[request.request_id] = index
 
         def finished() -> None:
@@ -232,10 +245,12 @@ class ReplicaSet:
             self._ended(request.request_id)
             raise
 
-    def _route(self, request: protocol.EngineRequest, conversation: str | None, needs_encoder: bool) -> int:
+    def _route(self, request: protocol.EngineRequest, conversation: str | None, needs_encoder: bool,
+               needs_talker: bool = False) -> int:
         router = self.router
         for index, replica in enumerate(self.replicas):
-            up = replica.serves_text and (not needs_encoder or "encoder" in replica.supervisor.running)
+            up = (replica.serves_text and (not needs_encoder or "encoder" in replica.supervisor.running)
+                  and (not needs_talker or replica.voice_ready))
             router.set_healthy(index, up)
             # Every front end's requests there, as of its last step.
             router.load_reported(index, replica.stats.num_running + replica.stats.num_waiting)
@@ -247,17 +262,6 @@ class ReplicaSet:
             index = router.route(hashes, mm_hashes, conversation)
         except NoReplica:
             raise EngineUnavailable(f"engine unavailable: {self.status}") from None
-        return index
-
-    def _speaking_replica(self, request: protocol.EngineRequest) -> int | None:
-        """An omni answer is spoken by the talker that opened its speech: its decoder there."""
-        if request.speech is None:
-            return None
-        index = self._speech_owner(request.speech.speech_id)
-        if index is None:
-            raise EngineUnavailable(f"speech {request.speech.speech_id!r} was not opened")
-        self.router.in_flight[index] += 1
-        self.router.routed[index] += 1
         return index
 
     def _ended(self, request_id: str) -> None:
@@ -361,13 +365,19 @@ class ReplicaSet:
         return None
 
     def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
-        """Opens the answer's speech on the replica with a talker and the least load."""
+        """Opens the answer's speech. The cascade's (Piper speaks the text it is sent) on the
+        least-loaded replica with a talker; an omni model's is bound when its request is routed
+        (add_request), to the talker beside the decoder the router picks for it."""
         speaking = [index for index, replica in enumerate(self.replicas)
                     if replica.voice_ready and replica.serves_text]
         if not speaking:
             raise EngineUnavailable(f"voice unavailable: {self.voice_status}")
-        if self._speech_owner(request_id) is not None:
+        if self._speech_owner(request_id) is not None or request_id in self._unbound_speech:
             raise ValueError(f"speech {request_id!r} is already in flight")
+        if self.speaks_itself:
+            queue: asyncio.Queue = asyncio.Queue()
+            self._unbound_speech[request_id] = (queue, voice_slot(self.spoken_answers, requester))
+            return queue
         router = self.router
         index = min(speaking, key=lambda i: max(router.in_flight[i], router.reported_load[i]))
         return self.replicas[index].open_speech(request_id, requester)
@@ -379,6 +389,10 @@ class ReplicaSet:
             await self.replicas[index].speak(request_id, text, sample_rate=sample_rate, final=final, speed=speed)
 
     def cancel_speech(self, request_id: str) -> None:
+        unbound = self._unbound_speech.pop(request_id, None)
+        if unbound is not None:
+            unbound[1].release()
+            return
         index = self._speech_owner(request_id)
         if index is not None:
             self.replicas[index].cancel_speech(request_id)

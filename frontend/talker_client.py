@@ -64,15 +64,18 @@ class TalkerClient:
     def voice_ready(self) -> bool:
         return self.workers.config.voice and "talker" in self.workers.running and not self.workers.failed
 
-    def open_speech(self, request_id: str, requester: Requester = ANONYMOUS) -> asyncio.Queue:
+    def open_speech(self, request_id: str, requester: Requester = ANONYMOUS, *, queue: asyncio.Queue | None = None,
+                    slot: ShareSlot | None = None) -> asyncio.Queue:
         """A queue that receives the answer's SpeechAudio messages as (header, pcm bytes),
-        the last with `final` set. Call `speak` to feed it text; `cancel_speech` to stop."""
+        the last with `final` set. Call `speak` to feed it text; `cancel_speech` to stop.
+        `queue` and `slot`: opened earlier by a replica set (frontend/replica_set.py), bound
+        here once the answer's replica is known."""
         if not self.voice_ready:
             raise EngineUnavailable(f"voice unavailable: {self.workers.voice_status}")
         if request_id in self.speech_queues:
             raise ValueError(f"speech {request_id!r} is already in flight")
-        self._speech_slots[request_id] = voice_slot(self.spoken_answers, requester)
-        queue: asyncio.Queue = asyncio.Queue()
+        self._speech_slots[request_id] = slot if slot is not None else voice_slot(self.spoken_answers, requester)
+        queue = queue if queue is not None else asyncio.Queue()
         self.speech_queues[request_id] = queue
         return queue
 

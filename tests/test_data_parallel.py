@@ -4,7 +4,7 @@ Realtime equal the single engine's greedy tokens, a conversation's turns go to t
 holds its prefix, voice works through the replicas, a peer without the front end's keys reaches
 nothing, and a killed replica's requests end at once while the replica comes back."""
 
-import asyncio
+import base64
 import http.client
 import json
 import os
@@ -227,3 +227,30 @@ def test_replicas_as_local_processes_without_ray(tiny_llama, offline, tmp_path):
         assert len(local.worker_pids("decoder")) == 2
     finally:
         assert local.stop() == 0, local.log_text()
+
+
+def test_an_omni_models_answers_are_spoken_by_the_talker_beside_their_decoder(tmp_path):
+    from tests.qwen3_omni_models import save_tiny_qwen3_omni
+    from tests.test_server_qwen3_omni import MAX_CODES, spoken_body
+
+    omni = save_tiny_qwen3_omni(tmp_path / "qwen3_omni")
+    speaking = ServerProcess(omni, "--data-parallel-size", "2", "--routing-policy", "round-robin",
+                             "--max-spoken-codes", str(MAX_CODES), "--talker-threads", "1", log_dir=tmp_path,
+                             voice=True)
+    try:
+        answers = []
+        for _ in range(2):  # round-robin: one on each replica, each spoken by that replica's talker
+            status, answer = post_json(speaking.url + "/v1/chat/completions", spoken_body("wav"))
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["message"]["audio"])
+        assert replica_series(speaking, "antiphon_replica_requests_routed_total") == [1, 1]
+        assert answers[0]["transcript"] == answers[1]["transcript"]  # the thinker's greedy text
+        # Audio came back for both: each decoder's rows reached the talker its answer was bound to
+        # (a talker beside another decoder would never hear them, and the answer would time out).
+        # Sampled codes may differ between replicas: a process picks its float32 kernels at load.
+        for audio in answers:
+            samples, rate = read_wav(base64.b64decode(audio["data"]))
+            assert rate == 24000 and samples.size > rate // 10
+        assert wait_for(lambda: speaking.metric("antiphon_voice_spoken_answers_held") == 0, 10)
+    finally:
+        assert speaking.stop() == 0, speaking.log_text()
