@@ -8,7 +8,8 @@ front end's sockets to them listen.
   with CurveZMQ (engine/link_keys.py).
 
 A launcher's `start` returns a handle with asyncio.subprocess.Process's surface: `pid`,
-`returncode`, `await wait()` (the exit code) and `kill()`.
+`returncode`, `await wait()` (the exit code) and `kill()`; `close()` gives back what the
+launcher holds once its supervisor has shut down (a Ray placement group).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class LocalLauncher:
     def front_end_address(self, run_dir: Path, name: str) -> str:
         """Where the front end binds socket `name`: a path in its 0700 directory."""
         return f"ipc://{run_dir}/{name}"
+
+    def close(self) -> None:
+        """Nothing to give back: the processes are gone with the supervisor's shutdown."""
 
     async def start(self, worker: str, args: list[str]):
         environment = {**os.environ, **self.environment} if self.environment else None

@@ -1,8 +1,8 @@
 """Data-parallel replicas placed by Ray: each worker process runs inside a Ray actor.
 
 Ray does what a cluster runtime does: it places each replica (a placement group of one bundle:
-one GPU on a GPU cluster, one CPU otherwise) on a node where that resource is free, places it
-again if the node dies, notices when an actor is gone, and ends the actors when the front end
+one GPU on a GPU cluster, the decoder's threads in CPUs otherwise) on a node where that is
+free, places it again if the node dies, notices when an actor is gone, and ends the actors when the front end
 (the driver) exits. ZeroMQ stays the data path: the worker process an actor starts connects to
 the front end's tcp sockets with the CurveZMQ keys the actor hands it (engine/link_keys.py).
 When a worker is lost, its supervisor starts a new actor for it in the replica's group, within
@@ -111,14 +111,17 @@ class ActorProcess:
             await asyncio.wait_for(self.actor.kill.remote(), KILL_GRACE_S)
             await asyncio.wait_for(asyncio.shield(self._exit), KILL_GRACE_S)
         except Exception:  # noqa: BLE001 (an actor that does not answer is killed with its node's help)
-            ray.kill(self.actor, no_restart=True)
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 (already gone)
+                logger.warning("could not kill a worker actor: %s", exc)
 
 
 class RayCluster:
     """The front end's place in a Ray cluster: joins it, makes the link keys, admits only its
     own workers on its tcp sockets, and gives each replica a launcher."""
 
-    def __init__(self, address: str, context, device: str) -> None:
+    def __init__(self, address: str, context, device: str, cpus_per_replica: int = 1) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -130,6 +133,8 @@ class RayCluster:
         self.authenticator = None
         resources = ray.cluster_resources()
         self.on_gpus = device != "cpu" and resources.get("GPU", 0) >= 1
+        # On CPU nodes a replica's bundle is the decoder's threads (--decoder-threads).
+        self.cpus_per_replica = cpus_per_replica
         self.nodes = len([node for node in ray.nodes() if node["Alive"]])
         self.actor_class = ray.remote(max_concurrency=4, max_restarts=0)(WorkerProcess)
         logger.info("joined the Ray cluster at %s (%d node(s), %s); front end links on tcp://%s, CurveZMQ",
@@ -147,10 +152,12 @@ class RayCluster:
     def close(self) -> None:
         if self.authenticator is not None:
             self.authenticator.stop()
+            self.authenticator = None
 
 
 class RayLauncher:
-    """One replica's workers, all in one placement group of one bundle (one GPU, or one CPU):
+    """One replica's workers, all in one placement group of one bundle (one GPU, or the
+    decoder's threads in CPUs):
     on one node, and on a GPU cluster on one GPU (the decoder takes most of it, the encoder and
     talker a share of the same one, so Ray gives them all the same CUDA_VISIBLE_DEVICES). Ray
     places the bundle where the resource is free, and places it again if its node dies."""
@@ -171,7 +178,10 @@ class RayLauncher:
 
         group = await self._group()
         share = self.DECODER_SHARE if worker == "decoder" else (1 - self.DECODER_SHARE) / 2
-        options = {"num_gpus": share, "num_cpus": 0} if self.cluster.on_gpus else {"num_cpus": share, "num_gpus": 0}
+        if self.cluster.on_gpus:
+            options = {"num_gpus": share, "num_cpus": 0}
+        else:
+            options = {"num_cpus": share * self.cluster.cpus_per_replica, "num_gpus": 0}
         actor = self.cluster.actor_class.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
             **options).remote()
@@ -187,12 +197,23 @@ class RayLauncher:
         logger.info("replica %d: %s actor started (pid %d)", self.replica, worker, pid)
         return ActorProcess(actor, pid)
 
+    def close(self) -> None:
+        """The replica is shut down: its bundle (a GPU, cores) goes back to the cluster."""
+        if self.group is not None:
+            from ray.util import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception as exc:  # noqa: BLE001 (the cluster may be gone first)
+                logger.warning("could not remove replica %d's placement group: %s", self.replica, exc)
+            self.group = None
+
     async def _group(self):
         from ray.util.placement_group import placement_group
 
         if self.group is None:
-            resource = "GPU" if self.cluster.on_gpus else "CPU"
-            self.group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+            bundle = {"GPU": 1} if self.cluster.on_gpus else {"CPU": self.cluster.cpus_per_replica}
+            self.group = placement_group([bundle], strategy="STRICT_PACK")
         try:
             await asyncio.wait_for(self.group.ready(), PLACEMENT_TIMEOUT_S)
         except asyncio.TimeoutError:

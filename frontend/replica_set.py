@@ -12,7 +12,7 @@ What goes where:
   conversation (a Realtime session); its release, abort and deltas stay with that replica;
 - an omni model's spoken request: routed as any request (among the replicas whose talker is
   up), and its speech bound to that replica's talker (its decoder hands it the rows); a cascade
-  answer's text: the least-loaded replica with a talker, when its speech opens;
+  answer's text: the replica whose talker speaks the fewest answers, when its speech opens;
 - a clip to transcribe: the replica with the fewest clips in flight.
 
 A replica whose decoder is lost leaves the router at once (its caches forgotten: its successor
@@ -48,14 +48,18 @@ def replica_config(config: EngineConfig, num_replicas: int, on_one_machine: bool
     takes its share of the cores (torch's default, a thread per core in every replica, would
     have N pools spinning on the same cores)."""
     threads = config.decoder_threads
-    if threads is None and on_one_machine:
-        threads = max(1, usable_cores() // num_replicas)
+    if threads is None:
+        # Past one machine (Ray CPU nodes), one thread: a replica's bundle is that many CPUs.
+        threads = max(1, usable_cores() // num_replicas) if on_one_machine else 1
     return dataclasses.replace(config, publish_cache_events=True, decoder_threads=threads)
 
 
 def replica_set(config: EngineConfig, num_replicas: int, policy: str, ray_address: str | None,
                 **client_options) -> "ReplicaSet":
     """The server's replicas: local processes, or Ray actors of the cluster at `ray_address`."""
+    if config.device.startswith("cuda:"):
+        raise ValueError("with --data-parallel-size each replica gets a GPU of its own: give --device cuda "
+                         "(or auto), not one device")
     if ray_address is None:
         logger.info("data parallel: %d replicas as local processes, %s routing", num_replicas, policy)
         return ReplicaSet(config, num_replicas, policy=policy, launcher_for=local_launchers(config, num_replicas),
@@ -69,6 +73,10 @@ def replica_set(config: EngineConfig, num_replicas: int, policy: str, ray_addres
     from frontend.ray_launcher import RayCluster
 
     cluster = RayCluster(ray_address, zmq.asyncio.Context.instance(), config.device)
+    replica = replica_config(config, num_replicas, on_one_machine=cluster.nodes == 1)
+    # A replica on a CPU node takes as many CPUs as its decoder runs threads (one, unless
+    # --decoder-threads says, past one machine).
+    cluster.cpus_per_replica = replica.decoder_threads or 1
     logger.info("data parallel: %d replicas as Ray actors, %s routing", num_replicas, policy)
     return ReplicaSet(config, num_replicas, policy=policy, launcher_for=cluster.launcher,
                       on_one_machine=cluster.nodes == 1,
@@ -125,6 +133,7 @@ class ReplicaSet:
         self._on_start, self._on_close = on_start, on_close
         self._background: set[asyncio.Future] = set()
         self._clips = 0
+        self._spoken = 0
         # An omni answer's speech opened and not yet routed: its queue and its share of the talkers.
         self._unbound_speech: dict[str, tuple[asyncio.Queue, ShareSlot]] = {}
 
@@ -133,7 +142,12 @@ class ReplicaSet:
     async def start(self) -> None:
         if self._on_start is not None:
             self._on_start()
-        await asyncio.gather(*(replica.start() for replica in self.replicas))
+        try:
+            await asyncio.gather(*(replica.start() for replica in self.replicas))
+        except BaseException:
+            # The replicas that did start (and the cluster's handler) do not outlive a failed start.
+            await self.shutdown()
+            raise
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(replica.shutdown() for replica in self.replicas))
@@ -148,11 +162,16 @@ class ReplicaSet:
             if replica.supervisor.failed and not replica.supervisor.closing:
                 stopping = asyncio.ensure_future(replica.shutdown())
                 self._background.add(stopping)
-                stopping.add_done_callback(self._background.discard)
+                stopping.add_done_callback(self._stopped)
         if not self._failed and all(replica.supervisor.failed for replica in self.replicas):
             self._failed = True
             if self.on_fatal is not None:
                 self.on_fatal()
+
+    def _stopped(self, task: asyncio.Future) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a failed replica did not shut down cleanly: %r", task.exception())
 
     @property
     def healthy(self) -> bool:
@@ -224,15 +243,21 @@ class ReplicaSet:
             raise EngineUnavailable(f"speech {request.speech.speech_id!r} was not opened")
         try:
             index = self._route(request, conversation, needs_encoder=bool(items), needs_talker=speech is not None)
-            if speech is not None:
-                # An omni answer is spoken by the talker beside the decoder that makes it.
-                queue, slot = speech
-                self.replicas[index].talker.open_speech(request.speech.speech_id, queue=queue, slot=slot)
         except BaseException:
-            if speech is not None and self._speech_owner(request.speech.speech_id) is None:
+            if speech is not None:
                 speech[1].release()
             raise
+        # From here the request is the replica's: _ended (on any failure below) undoes the routing.
         self.owner[request.request_id] = index
+        if speech is not None:
+            # An omni answer is spoken by the talker beside the decoder that makes it.
+            queue, slot = speech
+            try:
+                self.replicas[index].talker.open_speech(request.speech.speech_id, queue=queue, slot=slot)
+            except BaseException:
+                slot.release()
+                self._ended(request.request_id)
+                raise
 
         def finished() -> None:
             self._ended(request.request_id)
@@ -261,7 +286,8 @@ class ReplicaSet:
         try:
             index = router.route(hashes, mm_hashes, conversation)
         except NoReplica:
-            raise EngineUnavailable(f"engine unavailable: {self.status}") from None
+            raise EngineUnavailable(f"voice unavailable: {self.voice_status}" if needs_talker
+                                    else f"engine unavailable: {self.status}") from None
         return index
 
     def _ended(self, request_id: str) -> None:
@@ -306,7 +332,8 @@ class ReplicaSet:
     # ---- the encoder -------------------------------------------------------------------
 
     async def transcribe(self, samples, requester: Requester = ANONYMOUS) -> protocol.AudioTranscript:
-        serving = [replica for replica in self.replicas if "encoder" in replica.supervisor.running]
+        serving = [replica for replica in self.replicas if "encoder" in replica.supervisor.running
+                   and not replica.supervisor.failed and not replica.supervisor.closing]
         if not serving:
             raise EngineUnavailable(f"engine unavailable: {self.status}")
         # The fewest clips in flight; ties taken in turn.
@@ -378,8 +405,10 @@ class ReplicaSet:
             queue: asyncio.Queue = asyncio.Queue()
             self._unbound_speech[request_id] = (queue, voice_slot(self.spoken_answers, requester))
             return queue
-        router = self.router
-        index = min(speaking, key=lambda i: max(router.in_flight[i], router.reported_load[i]))
+        # The talker with the fewest answers being spoken; ties taken in turn.
+        self._spoken += 1
+        turn = self._spoken % len(speaking)
+        index = min(speaking[turn:] + speaking[:turn], key=lambda i: len(self.replicas[i].talker.speech_queues))
         return self.replicas[index].open_speech(request_id, requester)
 
     async def speak(self, request_id: str, text: str, *, sample_rate: int, final: bool = False,

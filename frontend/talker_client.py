@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 import msgspec
+import zmq
 
 from engine import protocol
 from frontend.engine_errors import EngineUnavailable, voice_slot
@@ -104,7 +105,10 @@ class TalkerClient:
 
     async def read_speech(self) -> None:
         while True:
-            frames = await self.workers.from_talker.recv_multipart(copy=False)
+            try:
+                frames = await self.workers.from_talker.recv_multipart(copy=False)
+            except zmq.Again:
+                continue  # woken with nothing to read (seen on CurveZMQ tcp links): not a failure
             try:
                 message = protocol.decode_speech(frames[0].bytes)
             except msgspec.DecodeError as exc:

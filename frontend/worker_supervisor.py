@@ -150,15 +150,25 @@ class WorkerSupervisor:
 
     async def _spawn(self, worker: str) -> None:
         self.to_workers[worker] = self._bind(zmq.PUSH, f"{worker}-in")
-        config = json.dumps(asdict(self.config))
-        args = ["-m", f"workers.{worker}_process", "--config", config, *worker_flags(worker, self.addresses)]
-        event = self._ready_events[worker] = asyncio.Event()
         try:
-            process = await self.launcher.start(worker, args)
+            process = await self._start(worker)
         except BaseException:
             # Closed here, not left to the next start (which binds the address again).
             self.to_workers.pop(worker).close(linger=0)
             raise
+        self._last_heard[worker] = time.monotonic()
+        self.running.add(worker)
+        self._exit_watchers[worker] = asyncio.create_task(self._watch_exit(worker, process), name=f"watch-{worker}")
+        logger.info("%s ready (pid %d)", worker, process.pid)
+        if worker == "talker":
+            self.voice_status = "ready"
+
+    async def _start(self, worker: str):
+        """Starts the worker's process and waits until it says it is ready."""
+        config = json.dumps(asdict(self.config))
+        args = ["-m", f"workers.{worker}_process", "--config", config, *worker_flags(worker, self.addresses)]
+        event = self._ready_events[worker] = asyncio.Event()
+        process = await self.launcher.start(worker, args)
         self.processes[worker] = process
         exited = asyncio.create_task(process.wait())
         ready = asyncio.create_task(event.wait())
@@ -170,15 +180,8 @@ class WorkerSupervisor:
         if ready not in done:
             if process.returncode is None:
                 process.kill()
-            # Closed here, not left to the next start (which binds the address again).
-            self.to_workers.pop(worker).close(linger=0)
             raise RuntimeError(f"{worker} process failed to start (exit code {process.returncode})")
-        self._last_heard[worker] = time.monotonic()
-        self.running.add(worker)
-        self._exit_watchers[worker] = asyncio.create_task(self._watch_exit(worker, process), name=f"watch-{worker}")
-        logger.info("%s ready (pid %d)", worker, process.pid)
-        if worker == "talker":
-            self.voice_status = "ready"
+        return process
 
     async def _watch_exit(self, worker: str, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
@@ -266,6 +269,7 @@ class WorkerSupervisor:
         for socket in [*self.to_workers.values(), self.from_workers, self.from_talker]:
             if socket is not None:
                 socket.close(linger=0)
+        self.launcher.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
@@ -312,7 +316,10 @@ class WorkerSupervisor:
 
     async def _read_outputs(self) -> None:
         while True:
-            frame = await self.from_workers.recv()
+            try:
+                frame = await self.from_workers.recv()
+            except zmq.Again:
+                continue  # woken with nothing to read (seen on CurveZMQ tcp links): not a failure
             self._last_read = time.monotonic()
             try:
                 message = protocol.decode_output(frame)

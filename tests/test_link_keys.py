@@ -63,22 +63,32 @@ def test_a_peer_without_keys_or_with_its_own_is_refused():
     assert asyncio.run(_exchange(keys, (keys.server_public, stranger_public, stranger_secret))) == (False, False)
 
 
-def test_a_worker_refuses_a_tcp_link_without_keys(monkeypatch):
-    for name in link_keys.ENVIRONMENT:
-        monkeypatch.delenv(name, raising=False)
-    context = zmq.Context()
-    socket = context.socket(zmq.PUSH)
-    try:
-        try:
-            link_keys.connect(socket, "tcp://127.0.0.1:1")
-        except RuntimeError as exc:
-            assert "needs the front end's keys" in str(exc)
-        else:
-            raise AssertionError("a tcp link was opened without keys")
-        link_keys.connect(socket, "ipc:///tmp/antiphon-test-link")  # ipc needs none
-    finally:
-        socket.close(linger=0)
+def test_a_worker_connects_with_the_keys_its_launcher_gave_it(monkeypatch):
+    keys = LinkKeys.generate()
+    for name, value in keys.worker_environment().items():
+        monkeypatch.setenv(name, value)
+
+    async def exchange() -> bool:
+        context = zmq.asyncio.Context()
+        authenticator = link_keys.allow_workers(context, keys)
+        from_workers = context.socket(zmq.PULL)
+        from_workers.linger = 0
+        keys.serve(from_workers)
+        from_workers.bind("tcp://127.0.0.1:*")
+        sync = zmq.Context()
+        worker = sync.socket(zmq.PUSH)
+        worker.linger = 0
+        link_keys.connect(worker, from_workers.getsockopt_string(zmq.LAST_ENDPOINT))
+        worker.send(b"ready")
+        heard = await from_workers.poll(1500)
+        worker.close()
+        sync.term()
+        from_workers.close()
+        authenticator.stop()
         context.term()
+        return bool(heard)
+
+    assert asyncio.run(exchange())
 
 
 def test_the_worker_environment_holds_no_server_secret():

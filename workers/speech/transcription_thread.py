@@ -51,8 +51,8 @@ class TranscriptionThread:
 
     def _run(self) -> None:
         socket = self.context.socket(zmq.PUSH)
-        link_keys.connect(socket, self.output_address)
         try:
+            link_keys.connect(socket, self.output_address)
             while (job := self.jobs.get()) is not None:
                 socket.send(protocol.encode(self._transcribe(*job)))
         finally:
