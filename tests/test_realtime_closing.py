@@ -85,7 +85,7 @@ class ScriptedGeneration:
     async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return [1, 2, 3]
 
-    async def stream(self, lease, prompt, params, cache_salt=None, speech=None):
+    async def stream(self, lease, prompt, params, cache_salt=None, speech=None, conversation=None):
         try:
             for chunk in self.chunks:
                 await asyncio.sleep(0)

@@ -108,7 +108,7 @@ class RecordingGeneration(ScriptedGeneration):
         self.prompts.append(messages)
         return [1, 2, 3]
 
-    async def stream(self, lease, prompt, params, cache_salt=None, speech=None):
+    async def stream(self, lease, prompt, params, cache_salt=None, speech=None, conversation=None):
         try:
             for chunk in self.chunks:
                 if self.hold is not None:
