@@ -213,16 +213,9 @@ class ReplicaRouter:
                 mine.add(key)
                 holders[key] = holders.get(key, 0) | bit
 
-    @staticmethod
-    def _forget(replica: int, holders: dict, held: list[set]) -> None:
-        bit = 1 << replica
-        for key in held[replica]:
-            left = holders.get(key, 0) & ~bit
-            if left:
-                holders[key] = left
-            else:
-                holders.pop(key, None)
-        held[replica] = set()
+    @classmethod
+    def _forget(cls, replica: int, holders: dict, held: list[set]) -> None:
+        cls._change(replica, (), list(held[replica]), holders, held)
 
     def load_reported(self, replica: int, running_and_waiting: int) -> None:
         self.reported_load[replica] = running_and_waiting

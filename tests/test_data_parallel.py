@@ -18,11 +18,12 @@ import psutil
 import pytest
 import zmq
 
-from engine import LLM, SamplingParams, protocol
+from engine import LLM, protocol
 from engine.audio_formats import read_wav, write_wav
 from frontend.client import RealtimeClient
 from tests.server_harness import ServerProcess, free_port, get_json, post_json, request, wait_for
 from tests.spoken import spoken, words
+from tests.test_server import greedy_offline
 
 SYSTEM = {"role": "system", "content": "You answer questions about the weather in the mountains. " * 4}
 
@@ -55,10 +56,6 @@ def server(tiny_llama, ray_cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(tiny_llama):
     return LLM(str(tiny_llama), num_kv_blocks=256)
-
-
-def greedy_offline(offline, conversation, max_tokens):
-    return offline.chat(conversation, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
 
 
 def replica_series(server, name: str) -> list[float]:

@@ -164,3 +164,19 @@ def test_the_router_reads_no_hash_past_the_first_block_nobody_holds():
 
     assert router.route(hashes()) == 1
     assert read == ["s1", "s2", "s3"]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 4, 16])
+def test_local_replicas_split_the_cores_and_publish_their_caches(monkeypatch, cores):
+    from engine.config import EngineConfig
+    from frontend import replica_set
+
+    monkeypatch.setattr(replica_set, "usable_cores", lambda: cores)
+    for replicas in (2, 4):
+        config = replica_set.replica_config(EngineConfig(model="unused"), replicas, on_one_machine=True)
+        assert config.publish_cache_events
+        assert config.decoder_threads == max(1, cores // replicas)
+    # Past one machine a replica's CPU bundle is its decoder's threads: one unless told.
+    assert replica_set.replica_config(EngineConfig(model="unused"), 2, on_one_machine=False).decoder_threads == 1
+    told = EngineConfig(model="unused", decoder_threads=3)
+    assert replica_set.replica_config(told, 2, on_one_machine=True).decoder_threads == 3
